@@ -1,0 +1,386 @@
+"""Packed low-bit K/V format, version 1: data, metadata and the plain-jnp reference.
+
+The byte-level specification lives in ``formats/FORMAT.md``; this module is its
+executable form. Everything here is plain jnp/numpy and defines what the Pallas
+kernels must produce (projection epilogue) and consume (attention).
+
+Vocabulary
+----------
+* block: 64 consecutive tokens of one sequence. It is the quantization tile, the
+  attention K/V tile and the Sol routing block at once.
+* class: the storage precision of a block, one of ``int4`` (default), ``int8`` or
+  ``bf16``. Every block of every head and batch row has the same class, chosen by a
+  token-range / layer / timestep policy (``resolve_block_classes``).
+* slot: a block's position inside the store of its class. Each class has its own
+  compact store, so an int4 block costs 4 bits per value and a bf16 block 16.
+* rotation: K and Q are multiplied by an orthogonal matrix ``R_k`` after RoPE, V by
+  ``R_v``. Both are signed Walsh-Hadamard matrices built from a seed
+  (``hadamard_rotation``). ``(q R)(k R)^T = q k^T``, so attention is unchanged.
+
+Quantization schemes (asymmetric, ``x ~ code * scale + zero``)
+----------------------------------------------------------------
+* K ``"channel"``: one (scale, zero) per channel per 64-token block (KIVI-style; the
+  zero point absorbs the per-channel offsets DiT keys carry).
+* K ``"token"``: one (scale, zero) per token over the head dim.
+* V ``"token"``: one (scale, zero) per token over the head dim.
+* V ``"token_g64"``: one (scale, zero) per token per 64-channel half.
+The defaults (K ``channel``, V ``token``) were picked by
+``benchmarks/quant_schemes.py`` (results in ``benchmarks/results/quant_schemes.json``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT_VERSION = 1
+BLOCK = 64
+CLASSES = ("int4", "int8", "bf16")
+CLASS_ID = {name: i for i, name in enumerate(CLASSES)}
+LEVELS = {"int4": 15, "int8": 255}
+K_SCHEMES = ("channel", "token")
+V_SCHEMES = ("token", "token_g64")
+DEFAULT_K_SCHEME = "channel"
+DEFAULT_V_SCHEME = "token"
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+# --------------------------------------------------------------------------------------
+# Rotation
+# --------------------------------------------------------------------------------------
+def hadamard_signs(head_dim: int, seed: int) -> np.ndarray:
+  """Sylvester Hadamard matrix (entries +-1) with rows sign-flipped from ``seed``.
+
+  ``hadamard_signs(d, s) / sqrt(d)`` is the rotation. Kernels multiply by the +-1
+  matrix (exact in bf16) and scale by 1/sqrt(d) in f32.
+  """
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"head_dim={head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < head_dim:
+    h = np.block([[h, h], [h, -h]])
+  signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=head_dim)
+  return (signs[:, None] * h).astype(np.float32)
+
+
+def hadamard_rotation(head_dim: int, seed: int) -> np.ndarray:
+  """Orthogonal (head_dim, head_dim) float32 rotation ``diag(signs) H / sqrt(d)``."""
+  return hadamard_signs(head_dim, seed) / np.float32(np.sqrt(head_dim))
+
+
+# --------------------------------------------------------------------------------------
+# Precision policy: token ranges / layers / timesteps -> per-block classes
+# --------------------------------------------------------------------------------------
+def resolve_block_classes(
+    num_tokens: int,
+    token_ranges: Sequence[tuple[int, int, str]] = (),
+    default: str = "int4",
+    *,
+    layer: int | None = None,
+    layer_classes: dict[int, str] | None = None,
+    timestep: float | None = None,
+    timestep_classes: Sequence[tuple[float, float, str]] = (),
+) -> tuple[int, ...]:
+  """Class id of each 64-token block.
+
+  ``token_ranges``: ``(start, end, class)`` half-open token ranges (text, references,
+  audio...). ``layer_classes`` maps a layer index to a class for the whole layer, and
+  ``timestep_classes`` holds ``(t_lo, t_hi, class)`` intervals (inclusive) for the
+  whole step. The highest precision that applies wins, and a block holding any token
+  of a higher class takes that class.
+  """
+  for name in [default, *(r[2] for r in token_ranges), *(layer_classes or {}).values(),
+               *(t[2] for t in timestep_classes)]:
+    if name not in CLASS_ID:
+      raise ValueError(f"unknown precision class {name!r}; use one of {CLASSES}")
+  if num_tokens <= 0:
+    raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+  floor_class = CLASS_ID[default]
+  if layer is not None and layer_classes and layer in layer_classes:
+    floor_class = max(floor_class, CLASS_ID[layer_classes[layer]])
+  if timestep is not None:
+    for lo, hi, name in timestep_classes:
+      if lo <= timestep <= hi:
+        floor_class = max(floor_class, CLASS_ID[name])
+  num_blocks = -(-num_tokens // BLOCK)
+  classes = np.full((num_blocks,), floor_class, np.int32)
+  for start, end, name in token_ranges:
+    if not (0 <= start < end <= num_tokens):
+      raise ValueError(f"token range ({start}, {end}) is outside [0, {num_tokens})")
+    b0, b1 = start // BLOCK, -(-end // BLOCK)
+    classes[b0:b1] = np.maximum(classes[b0:b1], CLASS_ID[name])
+  return tuple(int(c) for c in classes)
+
+
+# --------------------------------------------------------------------------------------
+# Metadata record
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PackedKVMeta:
+  """Versioned, hashable description of one packed K/V (static under jit)."""
+  batch: int
+  heads: int
+  head_dim: int
+  num_tokens: int
+  block_classes: tuple[int, ...]
+  k_scheme: str = DEFAULT_K_SCHEME
+  v_scheme: str = DEFAULT_V_SCHEME
+  rotation_seed_k: int = 0
+  rotation_seed_v: int = 1
+  version: int = FORMAT_VERSION
+  block: int = BLOCK
+
+  def __post_init__(self):
+    if self.version != FORMAT_VERSION:
+      raise ValueError(f"packed K/V version {self.version} is not readable by version {FORMAT_VERSION}")
+    if self.block != BLOCK:
+      raise ValueError(f"block must be {BLOCK}, got {self.block}")
+    if self.head_dim not in SUPPORTED_HEAD_DIMS:
+      raise ValueError(f"head_dim={self.head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    if self.k_scheme not in K_SCHEMES:
+      raise ValueError(f"k_scheme {self.k_scheme!r} unknown; use one of {K_SCHEMES}")
+    if self.v_scheme not in V_SCHEMES:
+      raise ValueError(f"v_scheme {self.v_scheme!r} unknown; use one of {V_SCHEMES}")
+    if len(self.block_classes) != self.num_blocks:
+      raise ValueError(f"block_classes has {len(self.block_classes)} entries, need {self.num_blocks}")
+    if any(c not in (0, 1, 2) for c in self.block_classes):
+      raise ValueError("block_classes entries must be 0 (int4), 1 (int8) or 2 (bf16)")
+
+  @property
+  def num_blocks(self) -> int:
+    return -(-self.num_tokens // BLOCK)
+
+  def slots(self, cls: str) -> tuple[int, ...]:
+    """Global block index of every slot of class ``cls``, in order."""
+    cid = CLASS_ID[cls]
+    return tuple(b for b, c in enumerate(self.block_classes) if c == cid)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self) | {"block_classes": list(self.block_classes)}
+
+  @staticmethod
+  def from_dict(d: dict) -> "PackedKVMeta":
+    return PackedKVMeta(**(d | {"block_classes": tuple(d["block_classes"])}))
+
+
+def scale_shape(meta: PackedKVMeta, role: str, cls: str) -> tuple[int, ...]:
+  """Shape of the scale (and zero) buffer of ``role`` ('k' or 'v') in class ``cls``."""
+  b, h, d = meta.batch, meta.heads, meta.head_dim
+  n = len(meta.slots(cls))
+  scheme = meta.k_scheme if role == "k" else meta.v_scheme
+  if scheme == "channel":
+    return (b, h, n, d)
+  groups = 2 if scheme == "token_g64" else 1
+  return (b, h, groups, n * BLOCK)
+
+
+def buffer_specs(meta: PackedKVMeta) -> dict[str, tuple[tuple[int, ...], str]]:
+  """Name -> (shape, dtype) of every array of a PackedKV. FORMAT.md documents each."""
+  b, h, d, nb = meta.batch, meta.heads, meta.head_dim, meta.num_blocks
+  specs = {}
+  for role in ("k", "v"):
+    n4, n8, n16 = (len(meta.slots(c)) * BLOCK for c in CLASSES)
+    specs[f"{role}_codes4"] = ((b, h, n4, d // 2), "uint8")
+    specs[f"{role}_scale4"] = (scale_shape(meta, role, "int4"), "float32")
+    specs[f"{role}_zero4"] = (scale_shape(meta, role, "int4"), "float32")
+    specs[f"{role}_codes8"] = ((b, h, n8, d), "uint8")
+    specs[f"{role}_scale8"] = (scale_shape(meta, role, "int8"), "float32")
+    specs[f"{role}_zero8"] = (scale_shape(meta, role, "int8"), "float32")
+    specs[f"{role}_bf16"] = ((b, h, n16, d), "bfloat16")
+  specs["k_mean"] = ((b, h, nb, d), "float32")
+  specs["v_sum"] = ((b, h, nb, d), "float32")
+  return specs
+
+
+ARRAY_NAMES = tuple(buffer_specs(PackedKVMeta(1, 1, 64, 64, (0,))).keys())
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class PackedKV:
+  """The arrays of one packed K/V plus its static metadata.
+
+  ``arrays`` maps each name of ``buffer_specs(meta)`` to an array of that shape and
+  dtype. Classes with no blocks have arrays with a zero-length token axis. Under jit
+  the arrays are the pytree leaves and ``meta`` is static.
+  """
+  meta: PackedKVMeta
+  arrays: dict
+
+  def tree_flatten(self):
+    return tuple(self.arrays[n] for n in ARRAY_NAMES), self.meta
+
+  @classmethod
+  def tree_unflatten(cls, meta, leaves):
+    return cls(meta, dict(zip(ARRAY_NAMES, leaves)))
+
+  def __getattr__(self, name):  # packed.k_codes4 etc.
+    if name in ARRAY_NAMES:
+      return self.arrays[name]
+    raise AttributeError(name)
+
+  def nbytes(self) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in self.arrays.values())
+
+
+def check_packed(packed: PackedKV) -> None:
+  """Raise ValueError naming the first array whose shape or dtype breaks the format."""
+  for name, (shape, dtype) in buffer_specs(packed.meta).items():
+    a = packed.arrays.get(name)
+    if a is None:
+      raise ValueError(f"PackedKV is missing array {name!r}")
+    if tuple(a.shape) != shape or jnp.dtype(a.dtype) != jnp.dtype(dtype):
+      raise ValueError(f"PackedKV.{name} must be {dtype}{list(shape)}, got {a.dtype}{list(a.shape)}")
+
+
+# --------------------------------------------------------------------------------------
+# Shared helpers (used by kernels and references alike)
+# --------------------------------------------------------------------------------------
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+  """(..., D) integer codes in [0, 15] -> (..., D/2) uint8, split-half.
+
+  Byte j holds channel j in its low nibble and channel j + D/2 in its high nibble.
+  """
+  half = codes.shape[-1] // 2
+  lo = codes[..., :half].astype(jnp.uint8)
+  hi = codes[..., half:].astype(jnp.uint8)
+  return lo | (hi << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+  """(..., D/2) uint8 -> (..., D) uint8 codes; the inverse of ``pack_nibbles``."""
+  return jnp.concatenate([packed & 0xF, packed >> 4], axis=-1)
+
+
+def asymmetric_params(lo: jax.Array, hi: jax.Array, levels: int):
+  """(scale, zero) for codes in [0, levels]; a constant group gets scale 1."""
+  span = hi - lo
+  scale = jnp.where(span > 0, span / levels, 1.0).astype(jnp.float32)
+  return scale, lo.astype(jnp.float32)
+
+
+def quantize_codes(x: jax.Array, scale: jax.Array, zero: jax.Array, levels: int) -> jax.Array:
+  """Round-to-nearest codes in [0, levels] as float32 (floor(x + 0.5): Triton has no round)."""
+  return jnp.clip(jnp.floor((x - zero) / scale + 0.5), 0.0, float(levels))
+
+
+# --------------------------------------------------------------------------------------
+# Reference quantize / dequantize
+# --------------------------------------------------------------------------------------
+def _blocked(x: jax.Array, t_pad: int) -> jax.Array:
+  """(B, T, H, D) -> (B, H, NB, 64, D), zero-padded tail."""
+  b, t, h, d = x.shape
+  x = jnp.pad(x, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+  return x.transpose(0, 2, 1, 3).reshape(b, h, t_pad // BLOCK, BLOCK, d)
+
+
+def _quantize_blocks(xb: jax.Array, valid: jax.Array, scheme: str, levels: int):
+  """xb (B, H, n, 64, D) f32, valid (n, 64) -> codes (B,H,n,64,D) f32, scale, zero.
+
+  Scale/zero come back in the buffer layout of ``scale_shape``.
+  """
+  b, h, n, _, d = xb.shape
+  big = jnp.float32(jnp.inf)
+  vmask = valid[None, None, :, :, None]
+  if scheme == "channel":
+    lo = jnp.min(jnp.where(vmask, xb, big), axis=3, keepdims=True)
+    hi = jnp.max(jnp.where(vmask, xb, -big), axis=3, keepdims=True)
+    lo = jnp.where(jnp.isfinite(lo), lo, 0.0)
+    hi = jnp.where(jnp.isfinite(hi), hi, 0.0)
+    scale, zero = asymmetric_params(lo, hi, levels)
+    codes = quantize_codes(xb, scale, zero, levels)
+    return codes, scale[:, :, :, 0, :], zero[:, :, :, 0, :]
+  groups = 2 if scheme == "token_g64" else 1
+  xg = xb.reshape(b, h, n, BLOCK, groups, d // groups)
+  lo = jnp.min(xg, axis=-1, keepdims=True)
+  hi = jnp.max(xg, axis=-1, keepdims=True)
+  scale, zero = asymmetric_params(lo, hi, levels)
+  codes = quantize_codes(xg, scale, zero, levels).reshape(xb.shape)
+  to_buf = lambda a: a[..., 0].reshape(b, h, n * BLOCK, groups).transpose(0, 1, 3, 2)
+  return codes, to_buf(scale), to_buf(zero)
+
+
+def _dequantize_blocks(codes, scale, zero, scheme: str):
+  """Inverse of ``_quantize_blocks``: codes (B,H,n,64,D) f32 -> values f32."""
+  b, h, n, _, d = codes.shape
+  if scheme == "channel":
+    return codes * scale[:, :, :, None, :] + zero[:, :, :, None, :]
+  groups = scale.shape[2]
+  from_buf = lambda a: a.transpose(0, 1, 3, 2).reshape(b, h, n, BLOCK, groups, 1)
+  cg = codes.reshape(b, h, n, BLOCK, groups, d // groups)
+  return (cg * from_buf(scale) + from_buf(zero)).reshape(codes.shape)
+
+
+def block_stats_reference(k_rot: jax.Array, v_rot: jax.Array):
+  """Per-64-token-block K mean and V sum over live tokens: (B, H, NB, D) f32 each."""
+  b, t, h, d = k_rot.shape
+  nb = -(-t // BLOCK)
+  kb = _blocked(k_rot.astype(jnp.float32), nb * BLOCK)
+  vb = _blocked(v_rot.astype(jnp.float32), nb * BLOCK)
+  counts = jnp.minimum(t - jnp.arange(nb) * BLOCK, BLOCK).astype(jnp.float32)
+  return kb.sum(axis=3) / counts[None, None, :, None], vb.sum(axis=3)
+
+
+def quantize_reference(k_rot: jax.Array, v_rot: jax.Array, meta: PackedKVMeta) -> PackedKV:
+  """Pack already-rotated K and V, (B, T, H, D), into a PackedKV. Defines the format.
+
+  This reference works on whole tensors; the projection kernel produces the same
+  buffers without ever holding all of K or V in high precision.
+  """
+  b, t, h, d = k_rot.shape
+  if v_rot.shape != k_rot.shape:
+    raise ValueError(f"k and v shapes differ: {k_rot.shape} vs {v_rot.shape}")
+  if (b, t, h, d) != (meta.batch, meta.num_tokens, meta.heads, meta.head_dim):
+    raise ValueError(f"k shape {k_rot.shape} does not match meta (B, T, H, D) = "
+                     f"{(meta.batch, meta.num_tokens, meta.heads, meta.head_dim)}")
+  nb = meta.num_blocks
+  valid = (jnp.arange(nb * BLOCK) < t).reshape(nb, BLOCK)
+  arrays = {}
+  for role, x, scheme in (("k", k_rot, meta.k_scheme), ("v", v_rot, meta.v_scheme)):
+    xb = _blocked(x.astype(jnp.float32), nb * BLOCK)
+    for cls in CLASSES:
+      idx = np.asarray(meta.slots(cls), np.int32)
+      sel, vsel = xb[:, :, idx], valid[idx]
+      n = len(idx)
+      if cls == "bf16":
+        arrays[f"{role}_bf16"] = sel.reshape(b, h, n * BLOCK, d).astype(jnp.bfloat16)
+        continue
+      suffix = "4" if cls == "int4" else "8"
+      codes, scale, zero = _quantize_blocks(sel, vsel, scheme, LEVELS[cls])
+      codes = codes.reshape(b, h, n * BLOCK, d)
+      arrays[f"{role}_codes{suffix}"] = pack_nibbles(codes) if cls == "int4" else codes.astype(jnp.uint8)
+      arrays[f"{role}_scale{suffix}"] = scale
+      arrays[f"{role}_zero{suffix}"] = zero
+  arrays["k_mean"], arrays["v_sum"] = block_stats_reference(k_rot, v_rot)
+  return PackedKV(meta, arrays)
+
+
+def dequantize_reference(packed: PackedKV) -> tuple[jax.Array, jax.Array]:
+  """Full (B, T, H, D) float32 K and V in the rotated basis. Reference/tests only:
+  it materializes all of K and V, which no production path may do."""
+  meta = packed.meta
+  b, h, d, nb = meta.batch, meta.heads, meta.head_dim, meta.num_blocks
+  out = []
+  for role, scheme in (("k", meta.k_scheme), ("v", meta.v_scheme)):
+    full = jnp.zeros((b, h, nb, BLOCK, d), jnp.float32)
+    for cls in CLASSES:
+      idx = np.asarray(meta.slots(cls), np.int32)
+      n = len(idx)
+      if n == 0:
+        continue
+      if cls == "bf16":
+        vals = packed.arrays[f"{role}_bf16"].astype(jnp.float32)
+      else:
+        suffix = "4" if cls == "int4" else "8"
+        codes = packed.arrays[f"{role}_codes{suffix}"]
+        codes = unpack_nibbles(codes) if cls == "int4" else codes
+        vals = _dequantize_blocks(codes.astype(jnp.float32).reshape(b, h, n, BLOCK, d),
+                                  packed.arrays[f"{role}_scale{suffix}"],
+                                  packed.arrays[f"{role}_zero{suffix}"], scheme)
+      full = full.at[:, :, idx].set(vals.reshape(b, h, n, BLOCK, d))
+    full = full.reshape(b, h, nb * BLOCK, d)[:, :, : meta.num_tokens]
+    out.append(full.transpose(0, 2, 1, 3))
+  return out[0], out[1]

@@ -1,0 +1,1 @@
+"""Pallas kernels: streamed QKV projection and attention over packed low-bit K/V."""

@@ -1,0 +1,19 @@
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="gpu marker: no CUDA GPU visible to JAX on this machine; "
+                                 "run `pytest -m gpu` on the device machine")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
