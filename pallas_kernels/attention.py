@@ -1,0 +1,466 @@
+"""Dense flash attention over packed low-bit K/V (formats/, version 1).
+
+``packed_attention`` runs one Pallas kernel (Triton on a GPU, interpret mode
+elsewhere). Q is BF16 in the rotated basis; K/V tiles are read straight from the
+class stores (int4, int8, bf16), unpacked and dequantized in registers right before
+their dots, and every class shares one online softmax. No buffer holding all of K or
+V in high precision is ever created, in any path.
+
+Kernel layout (why it looks like this)
+--------------------------------------
+* Grid ``(q tiles, H, B)``; q tiles vary fastest so neighbouring programs share
+  one head's K/V in L2. Refs are whole per-(batch, head) arrays; ragged tails use
+  masked loads/stores (Triton needs power-of-two tiles).
+* Everything works on two channel halves (lo = ``[0, D/2)``, hi = ``[D/2, D)``):
+  the int4 byte holds channel j (low nibble) and j + D/2 (high nibble), so
+  ``codes & 0xF`` / ``codes >> 4`` are the halves and nothing slices a loaded value
+  (Pallas-Triton cannot). Each logit tile is two dots, each PV product two dots.
+* One static loop per class store, each a ``fori_loop`` over its slots (64-token
+  blocks). Masks cost nothing on full blocks without segments or a padding mask:
+  only the ragged last block is masked, from static positions. With segment ids or
+  a padding mask the slot's global block comes from an int32 table read in-kernel
+  (Pallas-Triton has no scalar prefetch).
+* Code -> bf16 is a bit trick, not a conversion: ``0x4300 | c`` is the bf16 number
+  ``128 + c`` (exact for c < 128), so int4 codes enter the dots offset by 128 and the
+  offset is removed in the f32 zero-point terms. int8 codes use the f32 twin
+  (``0x4B000000 | c`` is ``2^23 + c``) and an exact cast to bf16.
+* Scales: K "channel" (per block, per channel) dequantizes the 64 x D tile in
+  registers (64*D FMAs, cheaper than scaling the block_q x D query tile per block);
+  K "token" and V "token"/"token_g64" apply scales outside the dots:
+  ``S = (q @ c^T) * s_t + rowsum(q) * z_t`` and ``O += (p * s_t) @ c + p @ z_t``.
+  ``sm_scale * log2(e)`` is folded into the K scales, so q enters the dots as given.
+* Softmax in base 2 with m starting at a finite -1e30 and masked logits at -inf:
+  a query row that sees no valid key gets l = 0 and outputs exactly 0.
+* Output un-rotation by ``R_v^T`` multiplies by the +-1 Hadamard matrix in bf16
+  quadrants (exact) on a two-term bf16 split of the f32 output, then by 1/sqrt(D).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from formats import packed_kv as fmt
+from pallas_kernels.backend import resolve_interpret
+
+BLOCK = fmt.BLOCK
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # finite, so exp2(m_prev - m_new) never sees inf - inf
+_INT4_OFFSET = 128.0  # bf16 0x4300 | c == 128 + c
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+def segment_ids_from_cu_seqlens(cu_seqlens, num_tokens: int) -> jax.Array:
+  """(T,) int32 segment ids from cumulative sequence lengths ``[0, l0, l0+l1, ...]``.
+
+  Token t gets the index of the sequence holding it. Tokens at or past
+  ``cu_seqlens[-1]`` get -1: they attend only among themselves, so drop them with
+  ``kv_mask`` (and ignore their outputs) when they are padding.
+  """
+  cu = jnp.asarray(cu_seqlens)
+  if cu.ndim != 1 or cu.shape[0] < 1 or not jnp.issubdtype(cu.dtype, jnp.integer):
+    raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., total], got {cu.dtype}{list(cu.shape)}")
+  if num_tokens <= 0:
+    raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+  if not isinstance(cu, jax.core.Tracer):
+    c = np.asarray(cu)
+    if c[0] != 0 or np.any(np.diff(c) < 0):
+      raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {c.tolist()}")
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  ids = jnp.searchsorted(cu[1:].astype(jnp.int32), t, side="right").astype(jnp.int32)
+  return jnp.where(t >= cu[-1], -1, ids).astype(jnp.int32)
+
+
+def _as_batched_ids(ids, batch: int, length: int, name: str) -> jax.Array:
+  """Segment ids as (B, T) int32; a (T,) array is shared by every batch row."""
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got {ids.dtype}")
+  if ids.shape == (length,):
+    ids = jnp.broadcast_to(ids[None], (batch, length))
+  if ids.shape != (batch, length):
+    raise ValueError(f"{name} must have shape (B, T) = {(batch, length)} or ({length},), got {tuple(ids.shape)}")
+  return ids.astype(jnp.int32)
+
+
+def _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask):
+  """Check every input; return (sm_scale, q_seg, kv_seg, kv_mask) normalized."""
+  if not isinstance(packed, fmt.PackedKV):
+    raise ValueError(f"packed must be a formats.PackedKV, got {type(packed).__name__}")
+  fmt.check_packed(packed)
+  meta = packed.meta
+  if not hasattr(q, "shape") or q.ndim != 4:
+    raise ValueError(f"q must be (B, Tq, H, D), got shape {getattr(q, 'shape', None)}")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"q must be bfloat16 (already rotated by R_k), got {q.dtype}")
+  b, tq, h, d = q.shape
+  if d != meta.head_dim:
+    raise ValueError(f"q head_dim {d} does not match packed head_dim {meta.head_dim}")
+  if b != meta.batch or h != meta.heads:
+    raise ValueError(f"q (B, H) = {(b, h)} does not match packed (B, H) = {(meta.batch, meta.heads)}")
+  if tq <= 0:
+    raise ValueError("q has no tokens")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+  if q_segment_ids is not None:
+    q_segment_ids = _as_batched_ids(q_segment_ids, b, tq, "q_segment_ids")
+    kv_segment_ids = _as_batched_ids(kv_segment_ids, b, meta.num_tokens, "kv_segment_ids")
+  if kv_mask is not None:
+    kv_mask = jnp.asarray(kv_mask)
+    if kv_mask.dtype != jnp.bool_ or kv_mask.shape != (b, meta.num_tokens):
+      raise ValueError(f"kv_mask must be bool (B, Tkv) = {(b, meta.num_tokens)}, "
+                       f"got {kv_mask.dtype}{list(kv_mask.shape)}")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(d)
+  sm_scale = float(sm_scale)
+  if not (math.isfinite(sm_scale) and sm_scale > 0):
+    raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+  return sm_scale, q_segment_ids, kv_segment_ids, kv_mask
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+def attention_f32(q, k, v, *, sm_scale, q_segment_ids=None, kv_segment_ids=None, kv_mask=None):
+  """Plain float32 softmax attention, (B, T, H, D); fully masked rows give 0."""
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=lax.Precision.HIGHEST) * sm_scale
+  ok = jnp.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)
+  if q_segment_ids is not None:
+    ok = ok & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+  if kv_mask is not None:
+    ok = ok & kv_mask[:, None, None, :]
+  s = jnp.where(ok, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  l = p.sum(-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision=lax.Precision.HIGHEST)
+
+
+def packed_attention_reference(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None,
+                               kv_mask=None, keep_rotated=False, **_unused):
+  """Float32 jnp reference of ``packed_attention`` (same arguments, f32 output).
+
+  Dequantizes all of K and V (``formats.dequantize_reference``): tests and
+  benchmarks only. Extra kernel arguments (block_q, interpret...) are ignored.
+  """
+  sm_scale, qs, ks, km = _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask)
+  k, v = fmt.dequantize_reference(packed)
+  o = attention_f32(q, k, v, sm_scale=sm_scale, q_segment_ids=qs, kv_segment_ids=ks, kv_mask=km)
+  if keep_rotated:
+    return o
+  r_v = jnp.asarray(fmt.hadamard_rotation(packed.meta.head_dim, packed.meta.rotation_seed_v))
+  return jnp.einsum("bqhd,ed->bqhe", o, r_v, precision=lax.Precision.HIGHEST)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything static the kernel body needs."""
+  head_dim: int
+  tq: int
+  tkv: int
+  block_q: int
+  qk_scale: float          # sm_scale * log2(e)
+  k_scheme: str
+  v_scheme: str
+  classes: tuple           # ((class name, slot count), ...) for classes with slots
+  tail: tuple | None       # (class name, global block) of a ragged last block, else None
+  has_segments: bool
+  has_kv_mask: bool
+  keep_rotated: bool
+  convert: str             # "magic" (bit trick) or "cast" (plain astype), int4 codes only
+
+
+def _codes_bf16(codes, bits: int, convert: str):
+  """uint8 codes -> (bf16 operand, offset) with operand == code + offset exactly."""
+  if bits == 4 and convert == "magic":
+    word = codes.astype(jnp.uint16) | jnp.uint16(0x4300)
+    return lax.bitcast_convert_type(word, jnp.bfloat16), _INT4_OFFSET
+  if convert == "magic":
+    word = codes.astype(jnp.uint32) | jnp.uint32(0x4B000000)
+    return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16), 0.0
+  return codes.astype(jnp.float32).astype(jnp.bfloat16), 0.0
+
+
+def _kernel(*refs, names, cfg: _Config):
+  r = dict(zip(names, refs))
+  o_ref = r["out"]
+  d, bq = cfg.head_dim, cfg.block_q
+  half = d // 2
+  lo, hi = pl.ds(0, half), pl.ds(half, half)
+  i = pl.program_id(0)
+  q_rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
+  row_ok = q_rows < cfg.tq
+  row_mask = jnp.broadcast_to(row_ok[:, None], (bq, half))
+  q_tile = pl.ds(i * bq, bq)
+  q_lo = plgpu.load(r["q"].at[q_tile, lo], mask=row_mask, other=0.0)
+  q_hi = plgpu.load(r["q"].at[q_tile, hi], mask=row_mask, other=0.0)
+  q_sum = None
+  if cfg.k_scheme == "token":
+    q_sum = q_lo.astype(jnp.float32).sum(-1) + q_hi.astype(jnp.float32).sum(-1)
+  q_seg = None
+  if cfg.has_segments:
+    q_seg = plgpu.load(r["q_seg"].at[q_tile], mask=row_ok, other=-1)
+  qk_scale = cfg.qk_scale
+
+  def key_mask(blk):
+    """(valid keys (64,), logit mask (bq, 64)) of global block ``blk``."""
+    pos = blk * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+    valid = pos < cfg.tkv
+    keys = pl.ds(blk * BLOCK, BLOCK)
+    ok = valid
+    if cfg.has_kv_mask:
+      ok = ok & (plgpu.load(r["kv_valid"].at[keys], mask=valid, other=0) != 0)
+    ok = jnp.broadcast_to(ok[None, :], (bq, BLOCK))
+    if cfg.has_segments:
+      kv_seg = plgpu.load(r["kv_seg"].at[keys], mask=valid, other=-2)
+      ok = ok & (q_seg[:, None] == kv_seg[None, :])
+    return valid, ok
+
+  def logits(cls, s, rows):
+    """(bq, 64) f32 logits in log2 units of slot ``s`` of class ``cls``."""
+    if cls == "bf16":
+      k_lo = r["k_bf16"][rows, lo]
+      k_hi = r["k_bf16"][rows, hi]
+      return (pl.dot(q_lo, k_lo, trans_b=True) + pl.dot(q_hi, k_hi, trans_b=True)) * qk_scale
+    if cls == "int4":
+      codes = r["k_codes4"][rows, :]
+      c_lo, off = _codes_bf16(codes & jnp.uint8(0xF), 4, cfg.convert)
+      c_hi, _ = _codes_bf16(codes >> jnp.uint8(4), 4, cfg.convert)
+    else:
+      c_lo, off = _codes_bf16(r["k_codes8"][rows, lo], 8, cfg.convert)
+      c_hi, _ = _codes_bf16(r["k_codes8"][rows, hi], 8, cfg.convert)
+    sfx = "4" if cls == "int4" else "8"
+    if cfg.k_scheme == "channel":
+      sc_ref, z_ref = r["k_scale" + sfx], r["k_zero" + sfx]
+
+      def deq(c, chans):
+        scale = sc_ref[s, chans] * qk_scale
+        zero = z_ref[s, chans] * qk_scale - off * scale
+        return (c.astype(jnp.float32) * scale[None, :] + zero[None, :]).astype(jnp.bfloat16)
+      return pl.dot(q_lo, deq(c_lo, lo), trans_b=True) + pl.dot(q_hi, deq(c_hi, hi), trans_b=True)
+    raw = pl.dot(q_lo, c_lo, trans_b=True) + pl.dot(q_hi, c_hi, trans_b=True)
+    scale = r["k_scale" + sfx + "_g0"][rows] * qk_scale
+    zero = r["k_zero" + sfx + "_g0"][rows] * qk_scale - off * scale
+    return raw * scale[None, :] + q_sum[:, None] * zero[None, :]
+
+  def pv(cls, p, rows, valid):
+    """(lo, hi) halves of p @ V for slot rows ``rows``; masked tiles zero-fill V."""
+    if cls == "bf16":
+      pb = p.astype(jnp.bfloat16)
+      vm = None if valid is None else jnp.broadcast_to(valid[:, None], (BLOCK, half))
+      v_lo = plgpu.load(r["v_bf16"].at[rows, lo], mask=vm, other=0.0 if vm is not None else None)
+      v_hi = plgpu.load(r["v_bf16"].at[rows, hi], mask=vm, other=0.0 if vm is not None else None)
+      return pl.dot(pb, v_lo), pl.dot(pb, v_hi)
+    if cls == "int4":
+      codes = r["v_codes4"][rows, :]
+      c_lo, off = _codes_bf16(codes & jnp.uint8(0xF), 4, cfg.convert)
+      c_hi, _ = _codes_bf16(codes >> jnp.uint8(4), 4, cfg.convert)
+    else:
+      c_lo, off = _codes_bf16(r["v_codes8"][rows, lo], 8, cfg.convert)
+      c_hi, _ = _codes_bf16(r["v_codes8"][rows, hi], 8, cfg.convert)
+    sfx = "4" if cls == "int4" else "8"
+
+    def group(g):
+      sc_ref, z_ref = r[f"v_scale{sfx}_g{g}"], r[f"v_zero{sfx}_g{g}"]
+      # Masked tiles zero the scales of keys past the end: p is 0 there, but a
+      # stale NaN scale would still poison p * scale.
+      if valid is None:
+        scale, zero = sc_ref[rows], z_ref[rows]
+      else:
+        scale = plgpu.load(sc_ref.at[rows], mask=valid, other=0.0)
+        zero = plgpu.load(z_ref.at[rows], mask=valid, other=0.0)
+      ps = (p * scale[None, :]).astype(jnp.bfloat16)
+      # The offset term uses the rounded ps, the exact partner of the dot.
+      corr = (p * zero[None, :]).sum(-1) - off * ps.astype(jnp.float32).sum(-1)
+      return ps, corr[:, None]
+
+    if cfg.v_scheme == "token":
+      ps, corr = group(0)
+      return pl.dot(ps, c_lo) + corr, pl.dot(ps, c_hi) + corr
+    ps_lo, corr_lo = group(0)
+    ps_hi, corr_hi = group(1)
+    return pl.dot(ps_lo, c_lo) + corr_lo, pl.dot(ps_hi, c_hi) + corr_hi
+
+  def tile(cls, s, carry, blk=None):
+    """One K/V block. ``blk`` (global block index) given means: apply masks."""
+    m, l, o_lo, o_hi = carry
+    rows = pl.ds(s * BLOCK, BLOCK)
+    sc = logits(cls, s, rows)
+    valid = None
+    if blk is not None:
+      valid, ok = key_mask(blk)
+      sc = jnp.where(ok, sc, -jnp.inf)
+    m_new = jnp.maximum(m, sc.max(axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])
+    l = l * alpha + p.sum(axis=-1)
+    pv_lo, pv_hi = pv(cls, p, rows, valid)
+    return m_new, l, o_lo * alpha[:, None] + pv_lo, o_hi * alpha[:, None] + pv_hi
+
+  carry = (jnp.full((bq,), _M_INIT, jnp.float32), jnp.zeros((bq,), jnp.float32),
+           jnp.zeros((bq, half), jnp.float32), jnp.zeros((bq, half), jnp.float32))
+  masked = cfg.has_segments or cfg.has_kv_mask
+  for cls, n in cfg.classes:
+    if masked:
+      table = r["slots_" + cls]
+      body = lambda s, c, cls=cls, table=table: tile(cls, s, c, blk=table[s])
+      carry = lax.fori_loop(0, n, body, carry)
+      continue
+    n_full = n - 1 if (cfg.tail is not None and cfg.tail[0] == cls) else n
+    if n_full > 0:
+      carry = lax.fori_loop(0, n_full, lambda s, c, cls=cls: tile(cls, s, c), carry)
+    if n_full < n:
+      carry = tile(cls, n_full, carry, blk=cfg.tail[1])
+
+  _, l, o_lo, o_hi = carry
+  inv = 1.0 / jnp.where(l > 0.0, l, 1.0)  # l == 0: no valid key, o is 0
+  o_lo = o_lo * inv[:, None]
+  o_hi = o_hi * inv[:, None]
+  if not cfg.keep_rotated:
+    ht = r["ht"]
+
+    def split(x):  # x == a + b to ~16 bits, so the +-1 dots are near-exact
+      a = x.astype(jnp.bfloat16)
+      return a, (x - a.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    a_lo, b_lo = split(o_lo)
+    a_hi, b_hi = split(o_hi)
+
+    def out_half(cols):
+      h_top, h_bot = ht[lo, cols], ht[hi, cols]
+      acc = pl.dot(b_lo, h_top) + pl.dot(b_hi, h_bot)
+      return (acc + pl.dot(a_lo, h_top) + pl.dot(a_hi, h_bot)) * (1.0 / math.sqrt(d))
+
+    o_lo, o_hi = out_half(lo), out_half(hi)
+  plgpu.store(o_ref.at[q_tile, lo], o_lo.astype(o_ref.dtype), mask=row_mask)
+  plgpu.store(o_ref.at[q_tile, hi], o_hi.astype(o_ref.dtype), mask=row_mask)
+
+
+def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated, interpret,
+                           block_q, num_warps, num_stages, convert="magic", out=None):
+  """Build and run the pallas_call. ``out`` (optional) is aliased as the output buffer."""
+  meta = packed.meta
+  b, tq, h, d = q.shape
+  half = d // 2
+  masked = q_seg is not None or kv_mask is not None
+  classes = tuple((c, len(meta.slots(c))) for c in fmt.CLASSES if meta.slots(c))
+  tail = None
+  if meta.num_tokens % BLOCK:
+    tail = (fmt.CLASSES[meta.block_classes[-1]], meta.num_blocks - 1)
+  cfg = _Config(head_dim=d, tq=tq, tkv=meta.num_tokens, block_q=block_q, qk_scale=sm_scale * _LOG2E,
+                k_scheme=meta.k_scheme, v_scheme=meta.v_scheme, classes=classes, tail=tail,
+                has_segments=q_seg is not None, has_kv_mask=kv_mask is not None,
+                keep_rotated=keep_rotated, convert=convert)
+
+  names, args, specs = [], [], []
+
+  def add(name, x, block, index_map):
+    names.append(name)
+    args.append(x)
+    specs.append(pl.BlockSpec(block, index_map))
+
+  per_bh = lambda i, j, k: (k, j, 0, 0)
+  add("q", q, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
+  if not keep_rotated:
+    ht = fmt.hadamard_signs(d, meta.rotation_seed_v).T
+    add("ht", jnp.asarray(ht, jnp.bfloat16), (d, d), lambda i, j, k: (0, 0))
+  for cls, n in classes:
+    for role in ("k", "v"):
+      if cls == "bf16":
+        add(f"{role}_bf16", packed.arrays[f"{role}_bf16"], (None, None, n * BLOCK, d), per_bh)
+        continue
+      sfx = "4" if cls == "int4" else "8"
+      codes = packed.arrays[f"{role}_codes{sfx}"]
+      add(f"{role}_codes{sfx}", codes, (None, None) + codes.shape[2:], per_bh)
+      for part in ("scale", "zero"):
+        a = packed.arrays[f"{role}_{part}{sfx}"]
+        scheme = meta.k_scheme if role == "k" else meta.v_scheme
+        if scheme == "channel":
+          add(f"{role}_{part}{sfx}", a, (None, None) + a.shape[2:], per_bh)
+          continue
+        # Token schemes: one 1-D ref per channel group, so the kernel never
+        # indexes a ref with a constant group number.
+        for g in range(a.shape[2]):
+          add(f"{role}_{part}{sfx}_g{g}", a, (None, None, None, a.shape[3]),
+              lambda i, j, k, g=g: (k, j, g, 0))
+    if masked:
+      add("slots_" + cls, jnp.asarray(meta.slots(cls), jnp.int32), (n,), lambda i, j, k: (0,))
+  if q_seg is not None:
+    add("q_seg", q_seg, (None, tq), lambda i, j, k: (k, 0))
+    add("kv_seg", kv_seg, (None, meta.num_tokens), lambda i, j, k: (k, 0))
+  if kv_mask is not None:
+    add("kv_valid", kv_mask.astype(jnp.int32), (None, meta.num_tokens), lambda i, j, k: (k, 0))
+  aliases = {}
+  if out is not None:
+    aliases = {len(args): 0}
+    add("out_init", out, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
+  names.append("out")
+
+  if num_warps is None:
+    num_warps = 4 if block_q <= 64 else 8
+  if num_stages is None:
+    num_stages = 2
+  kernel = functools.partial(_kernel, names=tuple(names), cfg=cfg)
+  del half
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(tq, block_q), h, b),
+      in_specs=specs,
+      out_specs=pl.BlockSpec((None, tq, None, d), lambda i, j, k: (k, 0, j, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="packed_attention",
+  )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps",
+                                             "num_stages", "convert"))
+def _packed_attention_jit(q, packed, q_seg, kv_seg, kv_mask, out, *, sm_scale, keep_rotated, interpret,
+                          block_q, num_warps, num_stages, convert):
+  return _packed_attention_impl(q, packed, sm_scale=sm_scale, q_seg=q_seg, kv_seg=kv_seg, kv_mask=kv_mask,
+                                keep_rotated=keep_rotated, interpret=interpret, block_q=block_q,
+                                num_warps=num_warps, num_stages=num_stages, convert=convert, out=out)
+
+
+def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
+                     keep_rotated=False, interpret=None, block_q=128, num_warps=None, num_stages=None,
+                     _convert="magic", _out=None):
+  """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
+
+  q: (B, Tq, H, D) bf16, already rotated by ``R_k`` (seed ``meta.rotation_seed_k``);
+  Tq may differ from the packed ``num_tokens``. sm_scale defaults to 1/sqrt(D).
+  q_segment_ids (B, Tq) / kv_segment_ids (B, Tkv) int32 (or (T,), shared by the
+  batch): a query sees only keys of its own segment. kv_mask (B, Tkv) bool: True =
+  valid key. A query row with no visible key outputs exactly 0. The output is
+  un-rotated by ``R_v^T`` unless ``keep_rotated`` (then fold ``R_v^T`` into W_o).
+  block_q: query tile (power of two >= 16); num_warps/num_stages: Triton knobs.
+  ``_convert`` ("magic"/"cast") and ``_out`` (a buffer aliased as the output, for
+  NaN-poisoning tests) are for tests and benchmarks.
+  """
+  sm_scale, q_seg, kv_seg, kv_mask = _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask)
+  if block_q < 16 or block_q & (block_q - 1):
+    raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
+  if _convert not in ("magic", "cast"):
+    raise ValueError(f"_convert must be 'magic' or 'cast', got {_convert!r}")
+  if _out is not None and (_out.shape != q.shape or _out.dtype != jnp.bfloat16):
+    raise ValueError(f"_out must be bfloat16{list(q.shape)}, got {_out.dtype}{list(_out.shape)}")
+  return _packed_attention_jit(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
+                               keep_rotated=bool(keep_rotated), interpret=resolve_interpret(interpret),
+                               block_q=int(block_q), num_warps=num_warps, num_stages=num_stages,
+                               convert=_convert)

@@ -1,0 +1,150 @@
+"""The packed K/V format: rotation, packing, quantization bounds, policy, metadata."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from formats import packed_kv as fmt
+
+
+def _kv(rng, b=2, t=200, h=3, d=64, offset=3.0):
+  k = rng.normal(size=(b, t, h, d)).astype(np.float32) + offset * rng.normal(size=(d,)).astype(np.float32)
+  v = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  return k, v
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotation_is_orthogonal_and_seeded(d):
+  r = fmt.hadamard_rotation(d, 7)
+  np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-6)
+  np.testing.assert_array_equal(r, fmt.hadamard_rotation(d, 7))
+  assert not np.array_equal(r, fmt.hadamard_rotation(d, 8))
+  assert set(np.unique(fmt.hadamard_signs(d, 7))) == {-1.0, 1.0}
+
+
+def test_rotation_rejects_unsupported_head_dim():
+  with pytest.raises(ValueError, match="head_dim=96"):
+    fmt.hadamard_rotation(96, 0)
+
+
+def test_pack_unpack_split_half_layout():
+  rng = np.random.default_rng(0)
+  codes = rng.integers(0, 16, size=(5, 64)).astype(np.uint8)
+  packed = np.asarray(fmt.pack_nibbles(jnp.asarray(codes)))
+  assert packed.shape == (5, 32) and packed.dtype == np.uint8
+  np.testing.assert_array_equal(packed & 0xF, codes[:, :32])
+  np.testing.assert_array_equal(packed >> 4, codes[:, 32:])
+  np.testing.assert_array_equal(np.asarray(fmt.unpack_nibbles(jnp.asarray(packed))), codes)
+
+
+@pytest.mark.parametrize("k_scheme", fmt.K_SCHEMES)
+@pytest.mark.parametrize("v_scheme", fmt.V_SCHEMES)
+@pytest.mark.parametrize("cls", ["int4", "int8", "bf16"])
+def test_roundtrip_error_is_within_half_a_step(k_scheme, v_scheme, cls):
+  rng = np.random.default_rng(1)
+  k, v = _kv(rng)
+  t = k.shape[1]
+  classes = (fmt.CLASS_ID[cls],) * (-(-t // fmt.BLOCK))
+  meta = fmt.PackedKVMeta(2, 3, 64, t, classes, k_scheme, v_scheme)
+  packed = fmt.quantize_reference(jnp.asarray(k), jnp.asarray(v), meta)
+  fmt.check_packed(packed)
+  kd, vd = fmt.dequantize_reference(packed)
+  for x, xd, role in ((k, kd, "k"), (v, vd, "v")):
+    err = np.abs(np.asarray(xd) - x)
+    if cls == "bf16":
+      assert err.max() <= np.abs(x).max() * 2 ** -8
+      continue
+    suffix = "4" if cls == "int4" else "8"
+    scale = np.asarray(packed.arrays[f"{role}_scale{suffix}"])
+    # Each element is within half a step (plus f32 rounding) of its original value.
+    assert err.max() <= 0.5 * scale.max() * (1 + 1e-5) + 1e-6
+    rel = np.linalg.norm(np.asarray(xd) - x) / np.linalg.norm(x)
+    assert rel < (0.12 if cls == "int4" else 0.01), rel
+
+
+def test_constant_group_is_exact():
+  k = np.full((1, 64, 1, 64), 2.5, np.float32)
+  meta = fmt.PackedKVMeta(1, 1, 64, 64, (0,), "channel", "token")
+  kd, vd = fmt.dequantize_reference(fmt.quantize_reference(jnp.asarray(k), jnp.asarray(k), meta))
+  np.testing.assert_array_equal(np.asarray(kd), k)
+  np.testing.assert_array_equal(np.asarray(vd), k)
+
+
+def test_mixed_classes_store_each_block_once():
+  rng = np.random.default_rng(2)
+  t = 300  # 5 blocks, last one partial
+  k, v = _kv(rng, b=1, t=t, h=2)
+  classes = fmt.resolve_block_classes(t, [(0, 70, "int8"), (200, 210, "bf16")])
+  assert classes == (1, 1, 0, 2, 0)
+  meta = fmt.PackedKVMeta(1, 2, 64, t, classes)
+  packed = fmt.quantize_reference(jnp.asarray(k), jnp.asarray(v), meta)
+  assert packed.k_codes4.shape == (1, 2, 2 * 64, 32)
+  assert packed.k_codes8.shape == (1, 2, 2 * 64, 64)
+  assert packed.k_bf16.shape == (1, 2, 64, 64)
+  kd, _ = fmt.dequantize_reference(packed)
+  err = np.abs(np.asarray(kd) - k).max(axis=(0, 2, 3))
+  assert err[192:256].max() <= np.abs(k).max() * 2 ** -8      # bf16 block
+  assert err[:128].max() < err[128:192].max() / 4              # int8 blocks beat int4
+
+
+def test_block_stats_over_live_tokens():
+  rng = np.random.default_rng(3)
+  t = 150
+  k, v = _kv(rng, b=1, t=t, h=2)
+  meta = fmt.PackedKVMeta(1, 2, 64, t, (0, 0, 0))
+  packed = fmt.quantize_reference(jnp.asarray(k), jnp.asarray(v), meta)
+  for blk, (a, b) in enumerate([(0, 64), (64, 128), (128, 150)]):
+    np.testing.assert_allclose(packed.k_mean[0, :, blk], k[0, a:b].mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed.v_sum[0, :, blk], v[0, a:b].sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_policy_layers_and_timesteps():
+  assert fmt.resolve_block_classes(130) == (0, 0, 0)
+  assert fmt.resolve_block_classes(130, layer=3, layer_classes={3: "bf16"}) == (2, 2, 2)
+  assert fmt.resolve_block_classes(130, layer=2, layer_classes={3: "bf16"}) == (0, 0, 0)
+  steps = [(0.9, 1.0, "int8")]
+  assert fmt.resolve_block_classes(130, timestep=0.95, timestep_classes=steps) == (1, 1, 1)
+  assert fmt.resolve_block_classes(130, [(0, 10, "bf16")], timestep=0.95, timestep_classes=steps) == (2, 1, 1)
+  with pytest.raises(ValueError, match="unknown precision class 'fp8'"):
+    fmt.resolve_block_classes(130, [(0, 10, "fp8")])
+  with pytest.raises(ValueError, match="outside"):
+    fmt.resolve_block_classes(130, [(100, 140, "int8")])
+
+
+def test_meta_validation_and_json_roundtrip():
+  meta = fmt.PackedKVMeta(1, 2, 128, 100, (0, 1))
+  again = fmt.PackedKVMeta.from_dict(json.loads(json.dumps(meta.to_dict())))
+  assert again == meta and hash(again) == hash(meta)
+  with pytest.raises(ValueError, match="version 2"):
+    dataclasses.replace(meta, version=2)
+  with pytest.raises(ValueError, match="head_dim=96"):
+    fmt.PackedKVMeta(1, 2, 96, 100, (0, 1))
+  with pytest.raises(ValueError, match="need 2"):
+    fmt.PackedKVMeta(1, 2, 128, 100, (0,))
+  with pytest.raises(ValueError, match="k_scheme"):
+    fmt.PackedKVMeta(1, 2, 128, 100, (0, 0), k_scheme="tensor")
+
+
+def test_packed_is_a_pytree_and_check_names_the_bad_buffer():
+  rng = np.random.default_rng(4)
+  k, v = _kv(rng, b=1, t=64, h=1)
+  packed = fmt.quantize_reference(jnp.asarray(k), jnp.asarray(v), fmt.PackedKVMeta(1, 1, 64, 64, (0,)))
+  out = jax.jit(lambda p: p)(packed)
+  assert out.meta == packed.meta
+  np.testing.assert_array_equal(out.k_codes4, packed.k_codes4)
+  bad = fmt.PackedKV(packed.meta, packed.arrays | {"v_codes4": packed.v_codes4.astype(jnp.int8)})
+  with pytest.raises(ValueError, match="v_codes4 must be uint8"):
+    fmt.check_packed(bad)
+
+
+def test_h3_sizes_match_format_doc():
+  t = 152_263
+  meta = fmt.PackedKVMeta(1, 56, 128, t, (0,) * (-(-t // 64)))
+  specs = fmt.buffer_specs(meta)
+  nbytes = {n: int(np.prod(s)) * np.dtype(jnp.dtype(d)).itemsize for n, (s, d) in specs.items()}
+  codes = nbytes["k_codes4"] + nbytes["v_codes4"]
+  assert abs(codes / 2 ** 30 - 1.02) < 0.01
+  assert nbytes["k_scale4"] + nbytes["k_zero4"] == 2 * 2380 * 56 * 128 * 4

@@ -1,0 +1,25 @@
+"""PyTorch bridge: the JAX kernels as torch custom ops, with zero-copy DLPack hand-offs.
+
+Importing this package first sets JAX's GPU allocator policy (see
+``torch_bridge.allocator``): ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless already
+set, so JAX and torch share the card. Import it before anything starts JAX's GPU
+backend, or the policy cannot apply (a warning then says so).
+
+Public surface:
+
+* ``streamed_qkv`` / ``packed_attention``: eager front ends over the custom ops
+  ``torch.ops.packed_kv.streamed_qkv`` / ``torch.ops.packed_kv.packed_attention``.
+* ``TorchPackedKV``: torch mirror of ``formats.PackedKV`` (same buffers, same meta).
+* ``PackedH3Attention`` / ``ReferenceH3Attention``: an H3-style attention block on the
+  ops, and the plain BF16 torch block whose ``state_dict`` it loads.
+"""
+from torch_bridge import allocator
+
+allocator.configure()
+
+from torch_bridge.allocator import allocator_status, check_allocator  # noqa: E402
+from torch_bridge.dlpack import BridgeError, to_jax, to_torch  # noqa: E402
+from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_tensor,  # noqa: E402
+                                    meta_to_json, meta_to_tensor, torch_buffer_specs)
+from torch_bridge.ops import packed_attention, segment_ids_from_cu_seqlens, streamed_qkv  # noqa: E402
+from torch_bridge.attention_module import PackedH3Attention, ReferenceH3Attention  # noqa: E402

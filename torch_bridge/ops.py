@@ -1,0 +1,296 @@
+"""PyTorch custom ops over the JAX kernels: ``torch.ops.packed_kv.*``.
+
+Why custom ops: ``torch.library.custom_op`` makes each kernel one opaque node that
+``torch.compile(fullgraph=True)`` can trace. Each op has a ``register_fake`` that
+computes output shapes from ``formats.buffer_specs``, so tracing never runs JAX.
+
+Calling convention. Custom ops take and return tensors (plus ints, floats, bools,
+strings and lists of them), so the packed K/V crosses as a fixed tuple of tensors in
+``formats.ARRAY_NAMES`` order, and its static metadata (token count, block classes,
+schemes, rotation seeds) as plain op arguments; batch, heads and head dim are read
+from the tensors. ``streamed_qkv`` / ``packed_attention`` below wrap the ops with
+``TorchPackedKV`` for eager callers; compiled models may call the ops directly (as
+``attention_module.PackedH3Attention`` does) because dynamo does not need to look
+inside a dataclass then.
+
+Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)``):
+
+* ``packed_kv::streamed_qkv(x, w_qkv, bias?, q_norm_weight, k_norm_weight, rope_cos,
+  rope_sin, rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
+  rotation_seed_k, rotation_seed_v, eps, interpret?) -> (q, *packed)``: 17 tensors.
+* ``packed_kv::packed_attention(q, packed[16], num_tokens, block_classes, k_scheme,
+  v_scheme, rotation_seed_k, rotation_seed_v, sm_scale?, q_segment_ids?,
+  kv_segment_ids?, kv_mask?, keep_rotated, interpret?) -> o``.
+* Sol attention: see the marked section at the end of this file.
+
+Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
+stream-ordered; read that module's docstring for the stream and lifetime rules). The
+ops are inference-only: no autograd formula is registered, so a backward through them
+raises.
+
+JAX functions are wrapped in ``jax.jit`` once per static configuration (cached), so a
+call costs one dispatch plus the DLPack hand-offs; ``benchmarks/bench_bridge.py``
+measures that overhead against calling the same jitted function from JAX.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Optional, Sequence
+
+import jax
+import torch
+
+import formats
+from formats import ARRAY_NAMES, PackedKVMeta
+from pallas_kernels import backend
+from torch_bridge import dlpack
+from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
+
+NAMESPACE = "packed_kv"
+NUM_ARRAYS = len(ARRAY_NAMES)
+_QKV_RESULT = tuple[(torch.Tensor,) * (1 + NUM_ARRAYS)]
+
+
+def _kernel(module: str, name: str):
+  """A function of ``pallas_kernels.<module>``, imported on first use."""
+  return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
+
+
+def _check(t, name, *, real: bool, **kw):
+  """Shape/dtype/contiguity checks always; pointer checks only on real tensors
+  (fake tensors under torch.compile have no memory)."""
+  if t is None:
+    return None
+  return dlpack.check_tensor(t, name, **kw) if real else _check_fake(t, name, **kw)
+
+
+def _check_fake(t, name, *, dtype=None, shape=None, ndim=None, device=None):
+  if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+    raise dlpack.BridgeError(f"{name} must be {dtype}, got {t.dtype}; convert it with .to({dtype})")
+  if ndim is not None and t.dim() != ndim:
+    raise dlpack.BridgeError(f"{name} must have {ndim} dimensions, got shape {list(t.shape)}")
+  if shape is not None and tuple(t.shape) != tuple(shape):
+    raise dlpack.BridgeError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+  if t.numel() and not t.is_contiguous():
+    raise dlpack.BridgeError(f"{name} is not C-contiguous (strides {list(t.stride())}); call "
+                             ".contiguous() yourself if the copy is intended")
+  return t
+
+
+def _default_classes(num_tokens: int) -> list[int]:
+  """Every block int4: the default policy when the caller gives none."""
+  return [formats.CLASS_ID["int4"]] * (-(-num_tokens // formats.BLOCK))
+
+
+# --------------------------------------------------------------------------------------
+# Streamed projection
+# --------------------------------------------------------------------------------------
+def _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+              head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+              *, real: bool) -> PackedKVMeta:
+  """Validate the projection's inputs; return the metadata of its packed K/V."""
+  _check(x, "x", real=real, dtype=torch.bfloat16, ndim=3)
+  b, t, hidden = x.shape
+  width = 3 * heads * head_dim
+  _check(w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, width))
+  _check(bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(width,))
+  _check(q_norm_weight, "q_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,))
+  _check(k_norm_weight, "k_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,))
+  _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, shape=(t, head_dim))
+  _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, shape=(t, head_dim))
+  if rot_dim % 2 or not 0 <= rot_dim <= head_dim:
+    raise dlpack.BridgeError(f"rot_dim must be even and in [0, head_dim={head_dim}], got {rot_dim}")
+  try:
+    return PackedKVMeta(b, heads, head_dim, t, tuple(int(c) for c in block_classes), k_scheme,
+                        v_scheme, int(rotation_seed_k), int(rotation_seed_v))
+  except ValueError as e:
+    raise dlpack.BridgeError(f"packed K/V settings rejected by the format: {e}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _jit_streamed_qkv(static: tuple):
+  """One jitted projection per static configuration."""
+  return jax.jit(functools.partial(_kernel("streamed_qkv", "streamed_qkv"), **dict(static)))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::streamed_qkv", mutates_args=())
+def _streamed_qkv_op(
+    x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rot_dim: int,
+    heads: int, head_dim: int, block_classes: Sequence[int], k_scheme: str, v_scheme: str,
+    rotation_seed_k: int, rotation_seed_v: int, eps: float, interpret: Optional[bool],
+) -> _QKV_RESULT:
+  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                   head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+                   real=True)
+  dlpack.check_device({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
+                       "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin},
+                      interpret)
+  static = (("rot_dim", rot_dim), ("heads", heads), ("head_dim", head_dim),
+            ("block_classes", meta.block_classes), ("k_scheme", k_scheme), ("v_scheme", v_scheme),
+            ("rotation_seed_k", meta.rotation_seed_k), ("rotation_seed_v", meta.rotation_seed_v),
+            ("eps", float(eps)), ("interpret", backend.resolve_interpret(interpret)))
+  fn = _jit_streamed_qkv(static)
+  j = dlpack.to_jax
+  q, packed = fn(j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"),
+                 q_norm_weight=j(q_norm_weight, "q_norm_weight"),
+                 k_norm_weight=j(k_norm_weight, "k_norm_weight"),
+                 rope_cos=j(rope_cos, "rope_cos"), rope_sin=j(rope_sin, "rope_sin"))
+  if packed.meta != meta:
+    raise dlpack.BridgeError(f"kernel returned packed K/V metadata {packed.meta}, expected {meta}")
+  # Outputs are imported (queuing torch's wait on JAX) before the JAX views of the
+  # inputs go out of scope: see torch_bridge.dlpack on lifetimes.
+  return (dlpack.to_torch(q, "q"), *(dlpack.to_torch(packed.arrays[n], n) for n in ARRAY_NAMES))
+
+
+@_streamed_qkv_op.register_fake
+def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                       head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+                       eps, interpret):
+  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                   head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+                   real=False)
+  b, t, _ = x.shape
+  q = x.new_empty((b, t, heads, head_dim), dtype=torch.bfloat16)
+  specs = torch_buffer_specs(meta)
+  return (q, *(x.new_empty(specs[n][0], dtype=specs[n][1]) for n in ARRAY_NAMES))
+
+
+def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, rope_cos: torch.Tensor,
+                 rope_sin: torch.Tensor, rot_dim: int, heads: int, head_dim: int,
+                 block_classes: Sequence[int] | None = None, k_scheme: str = formats.DEFAULT_K_SCHEME,
+                 v_scheme: str = formats.DEFAULT_V_SCHEME, rotation_seed_k: int = 0,
+                 rotation_seed_v: int = 1, eps: float = 1e-5,
+                 interpret: bool | None = None) -> tuple[torch.Tensor, TorchPackedKV]:
+  """Torch front end of ``pallas_kernels.streamed_qkv.streamed_qkv``.
+
+  Same arguments, torch tensors in and out: returns Q (B, T, H, D) bf16 in the rotated
+  basis and the packed K/V as a ``TorchPackedKV`` whose tensors are the kernel's own
+  output buffers. ``block_classes=None`` means every block int4.
+  """
+  t = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
+  classes = _default_classes(t) if block_classes is None else [int(c) for c in block_classes]
+  out = torch.ops.packed_kv.streamed_qkv(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos,
+                                         rope_sin, rot_dim, heads, head_dim, classes, k_scheme,
+                                         v_scheme, rotation_seed_k, rotation_seed_v, eps, interpret)
+  meta = PackedKVMeta(x.shape[0], heads, head_dim, t, tuple(classes), k_scheme, v_scheme,
+                      rotation_seed_k, rotation_seed_v)
+  return out[0], TorchPackedKV.from_tuple(meta, out[1:])
+
+
+# --------------------------------------------------------------------------------------
+# Dense packed attention
+# --------------------------------------------------------------------------------------
+def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                    rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, *, real: bool):
+  """Validate attention inputs against the format; return the packed K/V metadata."""
+  _check(q, "q", real=real, dtype=torch.bfloat16, ndim=4)
+  b, tq, h, d = q.shape
+  if len(packed) != NUM_ARRAYS:
+    raise dlpack.BridgeError(f"packed must hold {NUM_ARRAYS} tensors in formats.ARRAY_NAMES order, "
+                             f"got {len(packed)}")
+  try:
+    meta = PackedKVMeta(b, h, d, int(num_tokens), tuple(int(c) for c in block_classes), k_scheme,
+                        v_scheme, int(rotation_seed_k), int(rotation_seed_v))
+  except ValueError as e:
+    raise dlpack.BridgeError(f"packed K/V metadata rejected by the format (q is {list(q.shape)}): "
+                             f"{e}") from None
+  device, specs = q.device, torch_buffer_specs(meta)
+  for name, t in zip(ARRAY_NAMES, packed):
+    shape, dtype = specs[name]
+    _check(t, f"packed.{name}", real=real, dtype=dtype, shape=shape,
+           **({"device": device} if real else {}))
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise dlpack.BridgeError("pass both q_segment_ids and kv_segment_ids, or neither")
+  _check(q_segment_ids, "q_segment_ids", real=real, dtype=torch.int32, shape=(tq,))
+  _check(kv_segment_ids, "kv_segment_ids", real=real, dtype=torch.int32, shape=(meta.num_tokens,))
+  _check(kv_mask, "kv_mask", real=real, dtype=torch.bool, shape=(b, meta.num_tokens))
+  return meta
+
+
+@functools.lru_cache(maxsize=64)
+def _jit_packed_attention(static: tuple):
+  """One jitted attention per static configuration."""
+  return jax.jit(functools.partial(_kernel("attention", "packed_attention"), **dict(static)))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::packed_attention", mutates_args=())
+def _packed_attention_op(
+    q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, block_classes: Sequence[int],
+    k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
+    sm_scale: Optional[float], q_segment_ids: Optional[torch.Tensor],
+    kv_segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor], keep_rotated: bool,
+    interpret: Optional[bool],
+) -> torch.Tensor:
+  meta = _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                         rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, real=True)
+  dlpack.check_device({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
+                       "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
+                       "kv_mask": kv_mask}, interpret)
+  static = (("sm_scale", None if sm_scale is None else float(sm_scale)),
+            ("keep_rotated", bool(keep_rotated)), ("interpret", backend.resolve_interpret(interpret)))
+  fn = _jit_packed_attention(static)
+  j = dlpack.to_jax
+  jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
+  o = fn(j(q, "q"), jpacked, q_segment_ids=j(q_segment_ids, "q_segment_ids"),
+         kv_segment_ids=j(kv_segment_ids, "kv_segment_ids"), kv_mask=j(kv_mask, "kv_mask"))
+  return dlpack.to_torch(o, "o")
+
+
+@_packed_attention_op.register_fake
+def _packed_attention_fake(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                           rotation_seed_v, sm_scale, q_segment_ids, kv_segment_ids, kv_mask,
+                           keep_rotated, interpret):
+  _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                  rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, real=False)
+  return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+def _attention_args(packed: TorchPackedKV):
+  m = packed.meta
+  return (list(packed.as_tuple()), m.num_tokens, list(m.block_classes), m.k_scheme, m.v_scheme,
+          m.rotation_seed_k, m.rotation_seed_v)
+
+
+def packed_attention(q: torch.Tensor, packed: TorchPackedKV, *, sm_scale: float | None = None,
+                     q_segment_ids: torch.Tensor | None = None,
+                     kv_segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
+                     keep_rotated: bool = False, interpret: bool | None = None) -> torch.Tensor:
+  """Torch front end of ``pallas_kernels.attention.packed_attention``.
+
+  q (B, Tq, H, D) bf16 in the rotated basis (as ``streamed_qkv`` returns it); returns
+  O (B, Tq, H, D) bf16, un-rotated unless ``keep_rotated``. Segment ids are (T,) int32
+  (``segment_ids_from_cu_seqlens``), ``kv_mask`` (B, Tk) bool with True = attend.
+  """
+  if not isinstance(packed, TorchPackedKV):
+    raise dlpack.BridgeError(f"packed must be a TorchPackedKV, got {type(packed).__name__}; wrap "
+                             "raw tensors with TorchPackedKV.from_tuple(meta, tensors)")
+  return torch.ops.packed_kv.packed_attention(q, *_attention_args(packed), sm_scale, q_segment_ids,
+                                              kv_segment_ids, kv_mask, keep_rotated, interpret)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+  """(S+1,) cumulative sequence lengths -> (T,) int32 segment id of each token.
+
+  Torch twin of ``pallas_kernels.attention.segment_ids_from_cu_seqlens`` (pure torch,
+  so it traces under torch.compile). Tokens past ``cu_seqlens[-1]`` get id S.
+  """
+  cu = cu_seqlens.to(torch.int64)
+  pos = torch.arange(num_tokens, device=cu.device, dtype=torch.int64)
+  return (torch.searchsorted(cu, pos, right=True) - 1).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------
+# Sol attention (sparse) -- PLACEHOLDER
+# --------------------------------------------------------------------------------------
+# pallas_kernels/sol_attention.py does not exist yet. When it lands, add here:
+#   * ``packed_kv::sol_attention`` with the same packed/meta arguments as
+#     ``packed_attention`` plus Sol's parameters (tau, sink_blocks, sink_q,
+#     topk_ratio, tail, key_bias) as float/int/bool op arguments;
+#   * its ``register_fake`` (output q.new_empty(q.shape), bf16), reusing
+#     ``_attention_meta`` for validation;
+#   * a ``sol_attention(q, packed, ...)`` front end and a branch in
+#     ``attention_module.PackedH3Attention`` (``attention="sol"``);
+#   * tests mirroring the dense ones in tests/test_torch_bridge.py.
