@@ -179,6 +179,15 @@ def main(argv=None):
           "--quality-rows", str(args.quality_rows), "--sol-kwargs", args.sol_kwargs] + (["--small"] if args.small else [])
   records, qualities = [], {}
   tmp = tempfile.mkdtemp(prefix="e2e_h3_")
+  os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+
+  def save():
+    result = {"command": " ".join([sys.executable, "-m", "benchmarks.e2e_h3",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "device": _device_name(), "device_total_bytes": total, "versions": _versions(),
+              "records": records, "quality": {str(k): v for k, v in qualities.items()}}
+    with open(out_path, "w") as f:
+      json.dump(result, f, indent=1)
   for t in tokens:
     files = {}
     for variant in args.variants:
@@ -188,11 +197,13 @@ def main(argv=None):
       rec.setdefault("variant", variant)
       rec.setdefault("tokens", t)
       records.append(rec)
+      save()
       print(f"[{variant:10s} T={t:7d}] ok={rec.get('ok')} time={rec.get('time_s', float('nan')) * 1e3:9.1f} ms "
             f"peak={(rec.get('peak_bytes') or 0) / 2 ** 30:6.2f} GiB {rec.get('error', '')[:120]}", flush=True)
     q = _run_child(["--child", "quality", "--tokens", str(t), "--rows-files", json.dumps(files), *base],
                    {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     qualities[t] = q
+    save()
     print(f"[quality    T={t:7d}] " + json.dumps(q)[:400], flush=True)
   if args.cap_gib and total and not args.small:
     t = max(tokens)
@@ -204,6 +215,7 @@ def main(argv=None):
                         "--runs", "1", "--cap-gib", str(args.cap_gib)], env)
       rec.update(variant=variant, tokens=t, cap_gib=args.cap_gib)
       records.append(rec)
+      save()
       print(f"[cap {args.cap_gib:g} GiB {variant:10s} T={t}] ok={rec.get('ok')} oom={rec.get('oom')} "
             f"{rec.get('error', '')[:160]}", flush=True)
 
@@ -228,13 +240,7 @@ def main(argv=None):
   for r in (r for r in records if r.get("cap_gib")):
     print(f"cap {r['cap_gib']:g} GiB, T={r['tokens']}, {r['variant']}: "
           + ("completed" if r.get("ok") else ("OOM" if r.get("oom") else f"failed: {r.get('error', '')[:100]}")))
-  os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-  result = {"command": " ".join([sys.executable, "-m", "benchmarks.e2e_h3", *(argv if argv is not None else sys.argv[1:])]),
-            "device": _device_name(),
-            "device_total_bytes": total, "versions": _versions(), "records": records,
-            "quality": {str(k): v for k, v in qualities.items()}}
-  with open(out_path, "w") as f:
-    json.dump(result, f, indent=1)
+  save()
   try:
     _plot(records, out_path.replace(".json", ".png"))
   except Exception as e:  # noqa: BLE001

@@ -24,6 +24,13 @@ from pallas_kernels import rope as rope_lib
 
 VARIANTS = ("bf16", "bf16_quant", "dense", "sol")
 
+# Fastest dense-kernel tiles measured on the H200 (benchmarks/results/attention_h200.json).
+GPU_ATTENTION_TILES = dict(block_q=256, num_warps=16, num_stages=1)
+
+
+def _attention_tiles():
+  return GPU_ATTENTION_TILES if jax.default_backend() == "gpu" else {}
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
@@ -88,8 +95,9 @@ def _rms_norm(x, w, eps=1e-5):
 def project_reference(inp, shape: LayerShape, dtype=jnp.float32):
   """q, k, v (1, T, H, D) after norm and RoPE (unrotated), computed in ``dtype``."""
   h, d = shape.heads, shape.head_dim
-  qkv = jnp.dot(inp["x"].astype(dtype), inp["w"].astype(dtype),
-                preferred_element_type=jnp.float32).astype(dtype)
+  # The BF16 pipeline's GEMM writes bf16 directly, as torch's qkv_proj does: an f32
+  # output would add a 12 GiB buffer at T = 152k that no real BF16 model allocates.
+  qkv = jnp.dot(inp["x"].astype(dtype), inp["w"].astype(dtype), preferred_element_type=dtype)
   t = qkv.shape[1]
   q, k, v = (qkv[..., i * h * d:(i + 1) * h * d].reshape(1, t, h, d) for i in range(3))
   q = rope_lib.apply_rope_reference(_rms_norm(q, inp["q_norm_weight"]), inp["rope_cos"], inp["rope_sin"],
@@ -127,13 +135,13 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
       rv = jnp.asarray(fmt.hadamard_rotation(shape.head_dim, 1))
       meta = fmt.PackedKVMeta(1, shape.heads, shape.head_dim, shape.tokens, shape.block_classes)
       packed = fmt.quantize_reference(k @ rk, v @ rv, meta)
-      return packed_attention((q @ rk).astype(jnp.bfloat16), packed)
+      return packed_attention((q @ rk).astype(jnp.bfloat16), packed, **_attention_tiles())
     return run
   if variant == "dense":
     def run(inp):
       from pallas_kernels.attention import packed_attention
       q, packed = packed_inputs(inp)
-      return packed_attention(q, packed)
+      return packed_attention(q, packed, **_attention_tiles())
     return run
   if variant == "sol":
     def run(inp):

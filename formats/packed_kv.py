@@ -24,8 +24,11 @@ Quantization schemes (asymmetric, ``x ~ code * scale + zero``)
 * K ``"token"``: one (scale, zero) per token over the head dim.
 * V ``"token"``: one (scale, zero) per token over the head dim.
 * V ``"token_g64"``: one (scale, zero) per token per 64-channel half.
-The defaults (K ``channel``, V ``token``) were picked by
-``benchmarks/quant_schemes.py`` (results in ``benchmarks/results/quant_schemes.json``).
+The defaults (K ``channel``, V ``token``) were picked by ``benchmarks/quant_schemes.py``
+(``benchmarks/results/quant_schemes.json``, DiT-like data, int4): K ``channel`` beats K
+``token`` on every seed (attention cos 0.9981 vs 0.9970 on average, rel L1 0.053 vs
+0.066); V ``token_g64`` gains only ~1e-4 in cos over V ``token`` for 0.25 more bits per
+value, so V stays per token.
 """
 from __future__ import annotations
 

@@ -21,16 +21,28 @@ Kernel layout (why it looks like this)
   a padding mask the slot's global block comes from an int32 table read in-kernel
   (Pallas-Triton has no scalar prefetch).
 * Code -> bf16 is a bit trick, not a conversion: ``0x4300 | c`` is the bf16 number
-  ``128 + c`` (exact for c < 128), so int4 codes enter the dots offset by 128 and the
-  offset is removed in the f32 zero-point terms. int8 codes use the f32 twin
-  (``0x4B000000 | c`` is ``2^23 + c``) and an exact cast to bf16.
+  ``128 + c`` (exact for c < 128); one packed bf16 subtract (exact) removes the 128.
+  The nibble masks run on 16-bit lanes, two codes per instruction. int8 codes use
+  the f32 twin (``0x4B000000 | c`` is ``2^23 + c``) and an exact cast to bf16.
 * Scales: K "channel" (per block, per channel) dequantizes the 64 x D tile in
-  registers (64*D FMAs, cheaper than scaling the block_q x D query tile per block);
-  K "token" and V "token"/"token_g64" apply scales outside the dots:
-  ``S = (q @ c^T) * s_t + rowsum(q) * z_t`` and ``O += (p * s_t) @ c + p @ z_t``.
-  ``sm_scale * log2(e)`` is folded into the K scales, so q enters the dots as given.
-* Softmax in base 2 with m starting at a finite -1e30 and masked logits at -inf:
-  a query row that sees no valid key gets l = 0 and outputs exactly 0.
+  registers (64*D FMAs; scaling the block_q x D query tile instead costs more) in
+  f32, then rounds once to bf16, like bf16 K storage. ``_tune={"k_math": "bf16"}``
+  uses packed bf16 FMAs (two values per instruction, ~8% fewer loop instructions)
+  but rounds the zero point too: kernel-vs-reference error goes from ~4.4e-3 to
+  ~7.5e-3 rel L2 on DiT-like data (the int4 error itself is ~5e-2). K "token" and
+  V "token"/"token_g64" apply scales outside the dots:
+  ``S = (q @ c^T) * s_t + rowsum(q) * z_t`` and ``O += (p * s_t) @ c + p @ z_t``;
+  the V zero term is one number per row and group, so it accumulates in a
+  (block_q,) vector and joins O once at the end.
+* Offline sm_90 compiles of this kernel's Triton IR (pip triton 3.6, ptxas -v)
+  guided the choices: block_q=128 needs num_warps=8 (no spill at num_stages=1, 24
+  bytes at 2-3); the loop body went from ~1000 to ~720 SASS instructions per
+  iteration (~720 with bf16 K math) with the bit tricks, exp2-folded sm_scale and
+  the row-wise V zero term (jax's BF16 Pallas flash attention: ~370 per 64 keys).
+* Softmax in base 2: logits stay raw (q.k) and ``sm_scale * log2(e)`` enters the
+  exp2 argument as one FMA, so no scale touches K, its scales or the logit tile. m
+  starts at a finite -1e30 and masked logits are -inf: a query row that sees no
+  valid key gets l = 0 and outputs exactly 0.
 * Output un-rotation by ``R_v^T`` multiplies by the +-1 Hadamard matrix in bf16
   quadrants (exact) on a two-term bf16 split of the f32 output, then by 1/sqrt(D).
 """
@@ -48,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import resolve_interpret
+from pallas_kernels.backend import dot, resolve_interpret
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -71,8 +83,11 @@ def segment_ids_from_cu_seqlens(cu_seqlens, num_tokens: int) -> jax.Array:
     raise ValueError(f"cu_seqlens must be a 1-D integer array [0, ..., total], got {cu.dtype}{list(cu.shape)}")
   if num_tokens <= 0:
     raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-  if not isinstance(cu, jax.core.Tracer):
+  try:
     c = np.asarray(cu)
+  except jax.errors.TracerArrayConversionError:  # under jit: values unknown, skip the check
+    c = None
+  if c is not None:
     if c[0] != 0 or np.any(np.diff(c) < 0):
       raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {c.tolist()}")
   t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -181,18 +196,31 @@ class _Config:
   has_segments: bool
   has_kv_mask: bool
   keep_rotated: bool
-  convert: str             # "magic" (bit trick) or "cast" (plain astype), int4 codes only
+  convert: str = "magic"   # code -> bf16: "magic" (bit trick) or "cast" (int -> float)
+  k_math: str = "f32"      # int4 K "channel" dequant arithmetic: "f32" or "bf16" (packed)
+  v_exact: bool = True     # int4 V: subtract the magic offset from the codes (bf16, exact)
 
 
-def _codes_bf16(codes, bits: int, convert: str):
-  """uint8 codes -> (bf16 operand, offset) with operand == code + offset exactly."""
-  if bits == 4 and convert == "magic":
-    word = codes.astype(jnp.uint16) | jnp.uint16(0x4300)
-    return lax.bitcast_convert_type(word, jnp.bfloat16), _INT4_OFFSET
+def _int4_halves(codes, convert: str):
+  """(rows, D/2) uint8 bytes -> lo, hi bf16 tiles equal to code + offset; and offset."""
   if convert == "magic":
-    word = codes.astype(jnp.uint32) | jnp.uint32(0x4B000000)
-    return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16), 0.0
-  return codes.astype(jnp.float32).astype(jnp.bfloat16), 0.0
+    # Widen once: two 16-bit lanes per register, so each mask/shift/or is one
+    # instruction for two codes.
+    w = codes.astype(jnp.uint16)
+    lo = lax.bitcast_convert_type((w & jnp.uint16(0xF)) | jnp.uint16(0x4300), jnp.bfloat16)
+    hi = lax.bitcast_convert_type((w >> jnp.uint16(4)) | jnp.uint16(0x4300), jnp.bfloat16)
+    return lo, hi, _INT4_OFFSET
+  lo = (codes & jnp.uint8(0xF)).astype(jnp.float32).astype(jnp.bfloat16)
+  hi = (codes >> jnp.uint8(4)).astype(jnp.float32).astype(jnp.bfloat16)
+  return lo, hi, 0.0
+
+
+def _int8_bf16(codes, convert: str):
+  """uint8 codes (<= 255, exact in bf16) -> bf16."""
+  if convert == "magic":
+    word = codes.astype(jnp.uint32) | jnp.uint32(0x4B000000)  # f32 2^23 + c
+    return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16)
+  return codes.astype(jnp.float32).astype(jnp.bfloat16)
 
 
 def _kernel(*refs, names, cfg: _Config):
@@ -215,6 +243,7 @@ def _kernel(*refs, names, cfg: _Config):
   if cfg.has_segments:
     q_seg = plgpu.load(r["q_seg"].at[q_tile], mask=row_ok, other=-1)
   qk_scale = cfg.qk_scale
+  v_groups = 2 if cfg.v_scheme == "token_g64" else 1
 
   def key_mask(blk):
     """(valid keys (64,), logit mask (bq, 64)) of global block ``blk``."""
@@ -230,51 +259,57 @@ def _kernel(*refs, names, cfg: _Config):
       ok = ok & (q_seg[:, None] == kv_seg[None, :])
     return valid, ok
 
-  def logits(cls, s, rows):
-    """(bq, 64) f32 logits in log2 units of slot ``s`` of class ``cls``."""
-    if cls == "bf16":
-      k_lo = r["k_bf16"][rows, lo]
-      k_hi = r["k_bf16"][rows, hi]
-      return (pl.dot(q_lo, k_lo, trans_b=True) + pl.dot(q_hi, k_hi, trans_b=True)) * qk_scale
+  def codes(role, cls, rows):
+    """Code tiles (lo, hi) as bf16 equal to code + offset, and the offset."""
     if cls == "int4":
-      codes = r["k_codes4"][rows, :]
-      c_lo, off = _codes_bf16(codes & jnp.uint8(0xF), 4, cfg.convert)
-      c_hi, _ = _codes_bf16(codes >> jnp.uint8(4), 4, cfg.convert)
-    else:
-      c_lo, off = _codes_bf16(r["k_codes8"][rows, lo], 8, cfg.convert)
-      c_hi, _ = _codes_bf16(r["k_codes8"][rows, hi], 8, cfg.convert)
+      return _int4_halves(r[role + "_codes4"][rows, :], cfg.convert)
+    c8 = r[role + "_codes8"]
+    return _int8_bf16(c8[rows, lo], cfg.convert), _int8_bf16(c8[rows, hi], cfg.convert), 0.0
+
+  def logits(cls, s, rows):
+    """(bq, 64) f32 raw logits q.k of slot ``s`` of class ``cls`` (no sm_scale)."""
+    if cls == "bf16":
+      k_lo, k_hi = r["k_bf16"][rows, lo], r["k_bf16"][rows, hi]
+      return dot(q_lo, k_lo, trans_b=True) + dot(q_hi, k_hi, trans_b=True)
+    c_lo, c_hi, off = codes("k", cls, rows)
     sfx = "4" if cls == "int4" else "8"
     if cfg.k_scheme == "channel":
       sc_ref, z_ref = r["k_scale" + sfx], r["k_zero" + sfx]
 
       def deq(c, chans):
-        scale = sc_ref[s, chans] * qk_scale
-        zero = z_ref[s, chans] * qk_scale - off * scale
+        scale, zero = sc_ref[s, chans], z_ref[s, chans]
+        if cfg.k_math == "bf16" and cls == "int4":
+          # Packed bf16 FMAs on exact codes: two values per instruction. Rounding
+          # scale/zero to bf16 adds an error ~10x below the int4 step.
+          c = c - jnp.asarray(off, jnp.bfloat16) if off else c
+          return c * scale.astype(jnp.bfloat16)[None, :] + zero.astype(jnp.bfloat16)[None, :]
+        zero = zero - off * scale
         return (c.astype(jnp.float32) * scale[None, :] + zero[None, :]).astype(jnp.bfloat16)
-      return pl.dot(q_lo, deq(c_lo, lo), trans_b=True) + pl.dot(q_hi, deq(c_hi, hi), trans_b=True)
-    raw = pl.dot(q_lo, c_lo, trans_b=True) + pl.dot(q_hi, c_hi, trans_b=True)
-    scale = r["k_scale" + sfx + "_g0"][rows] * qk_scale
-    zero = r["k_zero" + sfx + "_g0"][rows] * qk_scale - off * scale
+
+      return dot(q_lo, deq(c_lo, lo), trans_b=True) + dot(q_hi, deq(c_hi, hi), trans_b=True)
+    raw = dot(q_lo, c_lo, trans_b=True) + dot(q_hi, c_hi, trans_b=True)
+    scale = r["k_scale" + sfx + "_g0"][rows]
+    zero = r["k_zero" + sfx + "_g0"][rows] - off * scale
     return raw * scale[None, :] + q_sum[:, None] * zero[None, :]
 
-  def pv(cls, p, rows, valid):
-    """(lo, hi) halves of p @ V for slot rows ``rows``; masked tiles zero-fill V."""
+  def pv(cls, p, rows, valid, o, z):
+    """(o_lo, o_hi) + p @ V codes * scales, and z + the V zero-point terms."""
+    o_lo, o_hi = o
     if cls == "bf16":
       pb = p.astype(jnp.bfloat16)
       vm = None if valid is None else jnp.broadcast_to(valid[:, None], (BLOCK, half))
       v_lo = plgpu.load(r["v_bf16"].at[rows, lo], mask=vm, other=0.0 if vm is not None else None)
       v_hi = plgpu.load(r["v_bf16"].at[rows, hi], mask=vm, other=0.0 if vm is not None else None)
-      return pl.dot(pb, v_lo), pl.dot(pb, v_hi)
-    if cls == "int4":
-      codes = r["v_codes4"][rows, :]
-      c_lo, off = _codes_bf16(codes & jnp.uint8(0xF), 4, cfg.convert)
-      c_hi, _ = _codes_bf16(codes >> jnp.uint8(4), 4, cfg.convert)
-    else:
-      c_lo, off = _codes_bf16(r["v_codes8"][rows, lo], 8, cfg.convert)
-      c_hi, _ = _codes_bf16(r["v_codes8"][rows, hi], 8, cfg.convert)
+      return (dot(pb, v_lo) + o_lo, dot(pb, v_hi) + o_hi), z
+    c_lo, c_hi, off = codes("v", cls, rows)
+    if off and cfg.v_exact:
+      c_lo = c_lo - jnp.asarray(off, jnp.bfloat16)
+      c_hi = c_hi - jnp.asarray(off, jnp.bfloat16)
+      off = 0.0
     sfx = "4" if cls == "int4" else "8"
-
-    def group(g):
+    z = list(z)
+    pss = []
+    for g in range(v_groups):
       sc_ref, z_ref = r[f"v_scale{sfx}_g{g}"], r[f"v_zero{sfx}_g{g}"]
       # Masked tiles zero the scales of keys past the end: p is 0 there, but a
       # stale NaN scale would still poison p * scale.
@@ -283,36 +318,40 @@ def _kernel(*refs, names, cfg: _Config):
       else:
         scale = plgpu.load(sc_ref.at[rows], mask=valid, other=0.0)
         zero = plgpu.load(z_ref.at[rows], mask=valid, other=0.0)
-      ps = (p * scale[None, :]).astype(jnp.bfloat16)
-      # The offset term uses the rounded ps, the exact partner of the dot.
-      corr = (p * zero[None, :]).sum(-1) - off * ps.astype(jnp.float32).sum(-1)
-      return ps, corr[:, None]
-
-    if cfg.v_scheme == "token":
-      ps, corr = group(0)
-      return pl.dot(ps, c_lo) + corr, pl.dot(ps, c_hi) + corr
-    ps_lo, corr_lo = group(0)
-    ps_hi, corr_hi = group(1)
-    return pl.dot(ps_lo, c_lo) + corr_lo, pl.dot(ps_hi, c_hi) + corr_hi
+      pg = (p * scale[None, :]).astype(jnp.bfloat16)
+      corr = (p * zero[None, :]).sum(-1)
+      if off:  # the offset term uses the rounded pg, the exact partner of the dot
+        corr = corr - off * pg.astype(jnp.float32).sum(-1)
+      pss.append(pg)
+      z[g] = z[g] + corr
+    p_hi = pss[-1]
+    return (dot(pss[0], c_lo) + o_lo, dot(p_hi, c_hi) + o_hi), tuple(z)
 
   def tile(cls, s, carry, blk=None):
     """One K/V block. ``blk`` (global block index) given means: apply masks."""
-    m, l, o_lo, o_hi = carry
+    m, l, o_lo, o_hi, z = carry
     rows = pl.ds(s * BLOCK, BLOCK)
     sc = logits(cls, s, rows)
     valid = None
     if blk is not None:
       valid, ok = key_mask(blk)
       sc = jnp.where(ok, sc, -jnp.inf)
+    # m is in raw logit units; sm_scale * log2(e) rides in the exp2 argument's FMA.
     m_new = jnp.maximum(m, sc.max(axis=-1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(sc - m_new[:, None])
+    alpha = jnp.exp2((m - m_new) * qk_scale)
+    p = jnp.exp2(sc * qk_scale - (m_new * qk_scale)[:, None])
     l = l * alpha + p.sum(axis=-1)
-    pv_lo, pv_hi = pv(cls, p, rows, valid)
-    return m_new, l, o_lo * alpha[:, None] + pv_lo, o_hi * alpha[:, None] + pv_hi
+    # Rescale first, then add the dots: Triton folds "dot + acc" into the MMA.
+    o = (o_lo * alpha[:, None], o_hi * alpha[:, None])
+    z = tuple(zg * alpha for zg in z)
+    (o_lo, o_hi), z = pv(cls, p, rows, valid, o, z)
+    return m_new, l, o_lo, o_hi, z
 
+  # The V zero-point terms are the same for every channel of a group, so they
+  # accumulate per row (z) and join o once at the end.
   carry = (jnp.full((bq,), _M_INIT, jnp.float32), jnp.zeros((bq,), jnp.float32),
-           jnp.zeros((bq, half), jnp.float32), jnp.zeros((bq, half), jnp.float32))
+           jnp.zeros((bq, half), jnp.float32), jnp.zeros((bq, half), jnp.float32),
+           tuple(jnp.zeros((bq,), jnp.float32) for _ in range(v_groups)))
   masked = cfg.has_segments or cfg.has_kv_mask
   for cls, n in cfg.classes:
     if masked:
@@ -326,10 +365,10 @@ def _kernel(*refs, names, cfg: _Config):
     if n_full < n:
       carry = tile(cls, n_full, carry, blk=cfg.tail[1])
 
-  _, l, o_lo, o_hi = carry
+  _, l, o_lo, o_hi, z = carry
   inv = 1.0 / jnp.where(l > 0.0, l, 1.0)  # l == 0: no valid key, o is 0
-  o_lo = o_lo * inv[:, None]
-  o_hi = o_hi * inv[:, None]
+  o_lo = (o_lo + z[0][:, None]) * inv[:, None]
+  o_hi = (o_hi + z[-1][:, None]) * inv[:, None]
   if not cfg.keep_rotated:
     ht = r["ht"]
 
@@ -342,8 +381,8 @@ def _kernel(*refs, names, cfg: _Config):
 
     def out_half(cols):
       h_top, h_bot = ht[lo, cols], ht[hi, cols]
-      acc = pl.dot(b_lo, h_top) + pl.dot(b_hi, h_bot)
-      return (acc + pl.dot(a_lo, h_top) + pl.dot(a_hi, h_bot)) * (1.0 / math.sqrt(d))
+      acc = dot(b_lo, h_top) + dot(b_hi, h_bot)
+      return (acc + dot(a_lo, h_top) + dot(a_hi, h_bot)) * (1.0 / math.sqrt(d))
 
     o_lo, o_hi = out_half(lo), out_half(hi)
   plgpu.store(o_ref.at[q_tile, lo], o_lo.astype(o_ref.dtype), mask=row_mask)
@@ -351,11 +390,10 @@ def _kernel(*refs, names, cfg: _Config):
 
 
 def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated, interpret,
-                           block_q, num_warps, num_stages, convert="magic", out=None):
+                           block_q, num_warps, num_stages, tune=(), out=None):
   """Build and run the pallas_call. ``out`` (optional) is aliased as the output buffer."""
   meta = packed.meta
   b, tq, h, d = q.shape
-  half = d // 2
   masked = q_seg is not None or kv_mask is not None
   classes = tuple((c, len(meta.slots(c))) for c in fmt.CLASSES if meta.slots(c))
   tail = None
@@ -364,7 +402,7 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
   cfg = _Config(head_dim=d, tq=tq, tkv=meta.num_tokens, block_q=block_q, qk_scale=sm_scale * _LOG2E,
                 k_scheme=meta.k_scheme, v_scheme=meta.v_scheme, classes=classes, tail=tail,
                 has_segments=q_seg is not None, has_kv_mask=kv_mask is not None,
-                keep_rotated=keep_rotated, convert=convert)
+                keep_rotated=keep_rotated, **dict(tune))
 
   names, args, specs = [], [], []
 
@@ -415,7 +453,6 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
   if num_stages is None:
     num_stages = 2
   kernel = functools.partial(_kernel, names=tuple(names), cfg=cfg)
-  del half
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(tq, block_q), h, b),
@@ -430,17 +467,17 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps",
-                                             "num_stages", "convert"))
+                                             "num_stages", "tune"))
 def _packed_attention_jit(q, packed, q_seg, kv_seg, kv_mask, out, *, sm_scale, keep_rotated, interpret,
-                          block_q, num_warps, num_stages, convert):
+                          block_q, num_warps, num_stages, tune):
   return _packed_attention_impl(q, packed, sm_scale=sm_scale, q_seg=q_seg, kv_seg=kv_seg, kv_mask=kv_mask,
                                 keep_rotated=keep_rotated, interpret=interpret, block_q=block_q,
-                                num_warps=num_warps, num_stages=num_stages, convert=convert, out=out)
+                                num_warps=num_warps, num_stages=num_stages, tune=tune, out=out)
 
 
 def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
                      keep_rotated=False, interpret=None, block_q=128, num_warps=None, num_stages=None,
-                     _convert="magic", _out=None):
+                     _tune=None, _out=None):
   """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
 
   q: (B, Tq, H, D) bf16, already rotated by ``R_k`` (seed ``meta.rotation_seed_k``);
@@ -450,17 +487,20 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   valid key. A query row with no visible key outputs exactly 0. The output is
   un-rotated by ``R_v^T`` unless ``keep_rotated`` (then fold ``R_v^T`` into W_o).
   block_q: query tile (power of two >= 16); num_warps/num_stages: Triton knobs.
-  ``_convert`` ("magic"/"cast") and ``_out`` (a buffer aliased as the output, for
+  ``_tune`` (a dict of ``_Config`` code-generation variants, e.g.
+  ``{"convert": "cast"}``) and ``_out`` (a buffer aliased as the output, for
   NaN-poisoning tests) are for tests and benchmarks.
   """
   sm_scale, q_seg, kv_seg, kv_mask = _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask)
   if block_q < 16 or block_q & (block_q - 1):
     raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
-  if _convert not in ("magic", "cast"):
-    raise ValueError(f"_convert must be 'magic' or 'cast', got {_convert!r}")
+  tune = tuple(sorted((_tune or {}).items()))
+  unknown = {k for k, _ in tune} - {"convert", "k_math", "v_exact"}
+  if unknown:
+    raise ValueError(f"unknown _tune keys {sorted(unknown)}")
   if _out is not None and (_out.shape != q.shape or _out.dtype != jnp.bfloat16):
     raise ValueError(f"_out must be bfloat16{list(q.shape)}, got {_out.dtype}{list(_out.shape)}")
   return _packed_attention_jit(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
                                keep_rotated=bool(keep_rotated), interpret=resolve_interpret(interpret),
                                block_q=int(block_q), num_warps=num_warps, num_stages=num_stages,
-                               convert=_convert)
+                               tune=tune)

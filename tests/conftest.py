@@ -1,6 +1,9 @@
 import os
 import sys
 
+# JAX must not preallocate GPU memory that torch (bridge tests) needs; set before jax starts.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

@@ -7,8 +7,8 @@ backend, or the policy cannot apply (a warning then says so).
 
 Public surface:
 
-* ``streamed_qkv`` / ``packed_attention``: eager front ends over the custom ops
-  ``torch.ops.packed_kv.streamed_qkv`` / ``torch.ops.packed_kv.packed_attention``.
+* ``streamed_qkv`` / ``packed_attention`` / ``sol_attention``: eager front ends over
+  the custom ops ``torch.ops.packed_kv.{streamed_qkv, packed_attention, sol_attention}``.
 * ``TorchPackedKV``: torch mirror of ``formats.PackedKV`` (same buffers, same meta).
 * ``PackedH3Attention`` / ``ReferenceH3Attention``: an H3-style attention block on the
   ops, and the plain BF16 torch block whose ``state_dict`` it loads.
@@ -21,5 +21,6 @@ from torch_bridge.allocator import allocator_status, check_allocator  # noqa: E4
 from torch_bridge.dlpack import BridgeError, to_jax, to_torch  # noqa: E402
 from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_tensor,  # noqa: E402
                                     meta_to_json, meta_to_tensor, torch_buffer_specs)
-from torch_bridge.ops import packed_attention, segment_ids_from_cu_seqlens, streamed_qkv  # noqa: E402
+from torch_bridge.ops import (packed_attention, segment_ids_from_cu_seqlens, sol_attention,  # noqa: E402
+                             streamed_qkv)
 from torch_bridge.attention_module import PackedH3Attention, ReferenceH3Attention  # noqa: E402

@@ -21,6 +21,7 @@ Shared conventions (MiniMax-H3: hidden 5376, 56 heads x 128, rot_dim 96, eps 1e-
 * ``o_proj``: Linear(H*D, hidden). Our attention output is un-rotated, so ``o_proj``
   applies to it as is.
 
+``PackedH3Attention(attention="sol")`` uses Sol sparse attention instead of dense.
 Both modules are inference modules for the packed path: its ops have no backward.
 """
 from __future__ import annotations
@@ -150,17 +151,30 @@ class PackedH3Attention(nn.Module):
   block_classes=None)``: ``block_classes`` (one class id per 64-token block, e.g. from
   ``formats.resolve_block_classes``) overrides the module's ``default_class`` for
   every block. Under ``torch.compile`` pass it as a tuple of Python ints.
+
+  ``attention="sol"`` swaps dense attention for Sol sparse attention with
+  ``sol_options`` (tau, sink_blocks, sink_q, topk_ratio, tail, max_exact; see
+  ``ops.sol_attention``). Sol takes ``kv_mask`` (as a boolean key bias) but not
+  ``segment_ids``.
   """
 
   def __init__(self, hidden: int, heads: int, head_dim: int, *, rot_dim: int | None = None,
                eps: float = 1e-5, qkv_bias: bool = False, o_bias: bool = False,
                k_scheme: str = formats.DEFAULT_K_SCHEME, v_scheme: str = formats.DEFAULT_V_SCHEME,
                rotation_seed_k: int = 0, rotation_seed_v: int = 1, default_class: str = "int4",
-               sm_scale: float | None = None, interpret: bool | None = None,
+               sm_scale: float | None = None, attention: str = "dense",
+               sol_options: dict | None = None, interpret: bool | None = None,
                dtype: torch.dtype = torch.bfloat16, device=None):
     super().__init__()
     if default_class not in formats.CLASS_ID:
       raise ValueError(f"default_class {default_class!r} unknown; use one of {formats.CLASSES}")
+    if attention not in ("dense", "sol"):
+      raise ValueError(f"attention must be 'dense' or 'sol', got {attention!r}")
+    sol = dict(tau=1.0, sink_blocks=None, sink_q=None, topk_ratio=0.0, tail=True, max_exact=None)
+    unknown = set(sol_options or {}) - set(sol)
+    if unknown:
+      raise ValueError(f"unknown sol_options {sorted(unknown)}; use {sorted(sol)}")
+    self.attention, self.sol_options = attention, sol | dict(sol_options or {})
     self.hidden, self.heads, self.head_dim = hidden, heads, head_dim
     self.rot_dim = _h3_defaults(head_dim, rot_dim)
     self.eps = eps
@@ -189,7 +203,20 @@ class PackedH3Attention(nn.Module):
         x, self.qkv_proj.weight_t, self.qkv_proj.bias, self.q_norm.weight.float(),
         self.k_norm.weight.float(), rope_cos, rope_sin, self.rot_dim, h, d, classes, self.k_scheme,
         self.v_scheme, self.rotation_seed_k, self.rotation_seed_v, self.eps, self.interpret)
-    o = torch.ops.packed_kv.packed_attention(
-        out[0], list(out[1:]), t, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
-        self.rotation_seed_v, self.sm_scale, segment_ids, segment_ids, kv_mask, False, self.interpret)
+    meta_args = (t, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
+                 self.rotation_seed_v)
+    if self.attention == "dense":
+      o = torch.ops.packed_kv.packed_attention(
+          out[0], list(out[1:]), *meta_args, self.sm_scale, segment_ids, segment_ids, kv_mask,
+          False, self.interpret)
+    else:
+      if segment_ids is not None:
+        raise ValueError("Sol attention has no segment ids (its diagonal assumes one sequence); "
+                         "use attention='dense' for packed varlen batches")
+      so = self.sol_options
+      o = torch.ops.packed_kv.sol_attention(
+          out[0], list(out[1:]), *meta_args, float(so["tau"]), self.sm_scale,
+          None if so["sink_blocks"] is None else list(so["sink_blocks"]),
+          None if so["sink_q"] is None else list(so["sink_q"]), kv_mask, float(so["topk_ratio"]),
+          bool(so["tail"]), None, so["max_exact"], False, self.interpret)
     return self.o_proj(o.reshape(b, t, h * d))

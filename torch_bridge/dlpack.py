@@ -3,7 +3,7 @@
 Why the checks: ``jax.dlpack.from_dlpack`` silently copies a buffer it cannot use in
 place (a view whose data pointer is not aligned, some strided layouts), and a copy of
 the packed K/V or of Q is exactly what the bridge exists to avoid. So every tensor is
-validated on the torch side first (device, dtype, C-contiguity, alignment: 16 bytes
+validated on the torch side first (device, dtype, C-contiguity, alignment: 32 bytes
 on CUDA, 64 on CPU where JAX copies anything less),
 and after the hand-off the pointers are compared; any mismatch raises instead of
 silently costing memory.
@@ -22,10 +22,14 @@ bridge's outputs, and free its inputs, on the torch stream that was current when
 op was called (or synchronize yourself). The reasoning: the op converts its outputs
 to torch (queuing the wait on JAX's work) before it drops its references to the
 inputs, so any later reuse of an input's memory by torch's caching allocator is
-queued after JAX finished reading it; and every JAX computation the bridge launches
-imports at least one torch tensor, so it waits for earlier torch work that may still
-read a JAX-owned output that torch has since freed. Set ``TORCH_BRIDGE_SYNC=1`` to
-block on every JAX result instead (debugging only).
+queued after JAX finished reading it; and every kernel the bridge launches reads at
+least one imported torch tensor, so it starts after earlier torch work that may still
+read a JAX-owned output that torch has since freed (JAX recycles that memory as soon
+as torch drops the tensor). The one residual gap: a JAX allocation that depends on no
+torch input and is written before such a kernel (an eager host-to-device constant,
+e.g. Sol's ``block_len`` clamp table) is not ordered after torch's pending reads. The
+default paths launch none; set ``TORCH_BRIDGE_SYNC=1`` to block on every JAX result
+if in doubt (debugging only).
 
 Mutability: JAX arrays are immutable and XLA assumes nobody writes their memory. A
 torch tensor handed to JAX must not be written by torch while a JAX computation may
@@ -42,11 +46,12 @@ import torch
 
 from pallas_kernels import backend
 
-# Minimum start alignment per device type. CUDA: 16 bytes, what the kernels' vector
-# loads assume (FORMAT.md). CPU: 64 bytes, because JAX's CPU client copies any
+# Minimum start alignment per device type. CUDA: 32 bytes, because Pallas-Triton marks
+# every pointer argument of a kernel as 32-byte aligned (tt.divisibility = 32), so a
+# less aligned view would be read wrongly, not slowly. CPU: 64 bytes, because JAX's CPU client copies any
 # imported buffer that is not 64-byte aligned (measured: jax 0.10.2); torch's CPU
 # allocator returns 64-byte aligned memory, numpy's often only 16.
-ALIGN = {"cuda": 16, "cpu": 64}
+ALIGN = {"cuda": 32, "cpu": 64}
 SYNC = os.environ.get("TORCH_BRIDGE_SYNC", "0") not in ("", "0", "false")
 
 

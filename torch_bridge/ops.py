@@ -21,16 +21,20 @@ Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)`
 * ``packed_kv::packed_attention(q, packed[16], num_tokens, block_classes, k_scheme,
   v_scheme, rotation_seed_k, rotation_seed_v, sm_scale?, q_segment_ids?,
   kv_segment_ids?, kv_mask?, keep_rotated, interpret?) -> o``.
-* Sol attention: see the marked section at the end of this file.
+* ``packed_kv::sol_attention(q, packed[16], num_tokens, block_classes, k_scheme,
+  v_scheme, rotation_seed_k, rotation_seed_v, tau, sm_scale?, sink_blocks?, sink_q?,
+  key_bias?, topk_ratio, tail, block_len?, max_exact?, keep_rotated, interpret?) -> o``.
 
 Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
 stream-ordered; read that module's docstring for the stream and lifetime rules). The
 ops are inference-only: no autograd formula is registered, so a backward through them
 raises.
 
-JAX functions are wrapped in ``jax.jit`` once per static configuration (cached), so a
-call costs one dispatch plus the DLPack hand-offs; ``benchmarks/bench_bridge.py``
-measures that overhead against calling the same jitted function from JAX.
+The ops call the public JAX functions (``pallas_kernels.streamed_qkv.streamed_qkv``,
+``attention.packed_attention``, ``sol_attention.sol_attention``), which jit their
+kernels: torch and JAX callers share one compilation cache, and a bridge call costs
+the JAX call plus validation and DLPack hand-offs. ``benchmarks/bench_bridge.py``
+measures that overhead against calling the same function from JAX.
 """
 from __future__ import annotations
 
@@ -38,12 +42,10 @@ import functools
 import importlib
 from typing import Optional, Sequence
 
-import jax
 import torch
 
 import formats
 from formats import ARRAY_NAMES, PackedKVMeta
-from pallas_kernels import backend
 from torch_bridge import dlpack
 from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
 
@@ -52,8 +54,13 @@ NUM_ARRAYS = len(ARRAY_NAMES)
 _QKV_RESULT = tuple[(torch.Tensor,) * (1 + NUM_ARRAYS)]
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel(module: str, name: str):
-  """A function of ``pallas_kernels.<module>``, imported on first use."""
+  """A function of ``pallas_kernels.<module>``, imported on first use.
+
+  The bridge calls the public JAX functions themselves (each jits its kernel), so a
+  torch caller and a JAX caller share one compilation cache and one code path.
+  """
   return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
 
 
@@ -66,14 +73,22 @@ def _check(t, name, *, real: bool, **kw):
 
 
 def _check_fake(t, name, *, dtype=None, shape=None, ndim=None, device=None):
-  if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
-    raise dlpack.BridgeError(f"{name} must be {dtype}, got {t.dtype}; convert it with .to({dtype})")
+  """The checks of ``dlpack.check_tensor`` that need no memory, same messages."""
+  where = dlpack._where(name, t)
+  if dtype is not None:
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in allowed:
+      raise dlpack.BridgeError(f"{where} must be {' or '.join(str(d) for d in allowed)}; convert "
+                               f"it with .to({allowed[0]})")
   if ndim is not None and t.dim() != ndim:
-    raise dlpack.BridgeError(f"{name} must have {ndim} dimensions, got shape {list(t.shape)}")
+    raise dlpack.BridgeError(f"{where} must have {ndim} dimensions")
   if shape is not None and tuple(t.shape) != tuple(shape):
-    raise dlpack.BridgeError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    raise dlpack.BridgeError(f"{where} must have shape {list(shape)}")
+  if device is not None and t.device != device:
+    raise dlpack.BridgeError(f"{where} is on {t.device} but the other inputs are on {device}; move "
+                             f"it with .to({str(device)!r})")
   if t.numel() and not t.is_contiguous():
-    raise dlpack.BridgeError(f"{name} is not C-contiguous (strides {list(t.stride())}); call "
+    raise dlpack.BridgeError(f"{where} is not C-contiguous (strides {list(t.stride())}); call "
                              ".contiguous() yourself if the copy is intended")
   return t
 
@@ -93,12 +108,13 @@ def _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, 
   _check(x, "x", real=real, dtype=torch.bfloat16, ndim=3)
   b, t, hidden = x.shape
   width = 3 * heads * head_dim
-  _check(w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, width))
-  _check(bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(width,))
-  _check(q_norm_weight, "q_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,))
-  _check(k_norm_weight, "k_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,))
-  _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, shape=(t, head_dim))
-  _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, shape=(t, head_dim))
+  dev = x.device
+  _check(w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, width), device=dev)
+  _check(bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(width,), device=dev)
+  _check(q_norm_weight, "q_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,), device=dev)
+  _check(k_norm_weight, "k_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,), device=dev)
+  _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, shape=(t, head_dim), device=dev)
+  _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, shape=(t, head_dim), device=dev)
   if rot_dim % 2 or not 0 <= rot_dim <= head_dim:
     raise dlpack.BridgeError(f"rot_dim must be even and in [0, head_dim={head_dim}], got {rot_dim}")
   try:
@@ -106,12 +122,6 @@ def _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, 
                         v_scheme, int(rotation_seed_k), int(rotation_seed_v))
   except ValueError as e:
     raise dlpack.BridgeError(f"packed K/V settings rejected by the format: {e}") from None
-
-
-@functools.lru_cache(maxsize=64)
-def _jit_streamed_qkv(static: tuple):
-  """One jitted projection per static configuration."""
-  return jax.jit(functools.partial(_kernel("streamed_qkv", "streamed_qkv"), **dict(static)))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::streamed_qkv", mutates_args=())
@@ -127,16 +137,14 @@ def _streamed_qkv_op(
   dlpack.check_device({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
                        "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin},
                       interpret)
-  static = (("rot_dim", rot_dim), ("heads", heads), ("head_dim", head_dim),
-            ("block_classes", meta.block_classes), ("k_scheme", k_scheme), ("v_scheme", v_scheme),
-            ("rotation_seed_k", meta.rotation_seed_k), ("rotation_seed_v", meta.rotation_seed_v),
-            ("eps", float(eps)), ("interpret", backend.resolve_interpret(interpret)))
-  fn = _jit_streamed_qkv(static)
   j = dlpack.to_jax
-  q, packed = fn(j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"),
-                 q_norm_weight=j(q_norm_weight, "q_norm_weight"),
-                 k_norm_weight=j(k_norm_weight, "k_norm_weight"),
-                 rope_cos=j(rope_cos, "rope_cos"), rope_sin=j(rope_sin, "rope_sin"))
+  q, packed = _kernel("streamed_qkv", "streamed_qkv")(
+      j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"), q_norm_weight=j(q_norm_weight, "q_norm_weight"),
+      k_norm_weight=j(k_norm_weight, "k_norm_weight"), rope_cos=j(rope_cos, "rope_cos"),
+      rope_sin=j(rope_sin, "rope_sin"), rot_dim=int(rot_dim), heads=int(heads),
+      head_dim=int(head_dim), block_classes=meta.block_classes, k_scheme=k_scheme,
+      v_scheme=v_scheme, rotation_seed_k=meta.rotation_seed_k,
+      rotation_seed_v=meta.rotation_seed_v, eps=float(eps), interpret=interpret)
   if packed.meta != meta:
     raise dlpack.BridgeError(f"kernel returned packed K/V metadata {packed.meta}, expected {meta}")
   # Outputs are imported (queuing torch's wait on JAX) before the JAX views of the
@@ -200,20 +208,17 @@ def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, ro
   device, specs = q.device, torch_buffer_specs(meta)
   for name, t in zip(ARRAY_NAMES, packed):
     shape, dtype = specs[name]
-    _check(t, f"packed.{name}", real=real, dtype=dtype, shape=shape,
-           **({"device": device} if real else {}))
+    _check(t, f"packed.{name}", real=real, dtype=dtype, shape=shape, device=device)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise dlpack.BridgeError("pass both q_segment_ids and kv_segment_ids, or neither")
-  _check(q_segment_ids, "q_segment_ids", real=real, dtype=torch.int32, shape=(tq,))
-  _check(kv_segment_ids, "kv_segment_ids", real=real, dtype=torch.int32, shape=(meta.num_tokens,))
-  _check(kv_mask, "kv_mask", real=real, dtype=torch.bool, shape=(b, meta.num_tokens))
+  for name, ids, length in (("q_segment_ids", q_segment_ids, tq),
+                            ("kv_segment_ids", kv_segment_ids, meta.num_tokens)):
+    if ids is not None and tuple(ids.shape) not in ((length,), (b, length)):
+      raise dlpack.BridgeError(f"{name} must be (T,) = ({length},) or (B, T) = {(b, length)}, got "
+                               f"{list(ids.shape)}")
+    _check(ids, name, real=real, dtype=torch.int32, device=device)
+  _check(kv_mask, "kv_mask", real=real, dtype=torch.bool, shape=(b, meta.num_tokens), device=device)
   return meta
-
-
-@functools.lru_cache(maxsize=64)
-def _jit_packed_attention(static: tuple):
-  """One jitted attention per static configuration."""
-  return jax.jit(functools.partial(_kernel("attention", "packed_attention"), **dict(static)))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::packed_attention", mutates_args=())
@@ -229,13 +234,12 @@ def _packed_attention_op(
   dlpack.check_device({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
                        "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
                        "kv_mask": kv_mask}, interpret)
-  static = (("sm_scale", None if sm_scale is None else float(sm_scale)),
-            ("keep_rotated", bool(keep_rotated)), ("interpret", backend.resolve_interpret(interpret)))
-  fn = _jit_packed_attention(static)
   j = dlpack.to_jax
   jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
-  o = fn(j(q, "q"), jpacked, q_segment_ids=j(q_segment_ids, "q_segment_ids"),
-         kv_segment_ids=j(kv_segment_ids, "kv_segment_ids"), kv_mask=j(kv_mask, "kv_mask"))
+  o = _kernel("attention", "packed_attention")(
+      j(q, "q"), jpacked, sm_scale=sm_scale, q_segment_ids=j(q_segment_ids, "q_segment_ids"),
+      kv_segment_ids=j(kv_segment_ids, "kv_segment_ids"), kv_mask=j(kv_mask, "kv_mask"),
+      keep_rotated=bool(keep_rotated), interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
@@ -261,8 +265,9 @@ def packed_attention(q: torch.Tensor, packed: TorchPackedKV, *, sm_scale: float 
   """Torch front end of ``pallas_kernels.attention.packed_attention``.
 
   q (B, Tq, H, D) bf16 in the rotated basis (as ``streamed_qkv`` returns it); returns
-  O (B, Tq, H, D) bf16, un-rotated unless ``keep_rotated``. Segment ids are (T,) int32
-  (``segment_ids_from_cu_seqlens``), ``kv_mask`` (B, Tk) bool with True = attend.
+  O (B, Tq, H, D) bf16, un-rotated unless ``keep_rotated``. Segment ids are int32, (T,)
+  shared by the batch (``segment_ids_from_cu_seqlens``) or (B, T); ``kv_mask`` is
+  (B, Tk) bool with True = attend. A query that sees no key outputs 0.
   """
   if not isinstance(packed, TorchPackedKV):
     raise dlpack.BridgeError(f"packed must be a TorchPackedKV, got {type(packed).__name__}; wrap "
@@ -272,25 +277,95 @@ def packed_attention(q: torch.Tensor, packed: TorchPackedKV, *, sm_scale: float 
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-  """(S+1,) cumulative sequence lengths -> (T,) int32 segment id of each token.
+  """(S+1,) cumulative sequence lengths ``[0, l0, l0+l1, ...]`` -> (T,) int32 segment ids.
 
   Torch twin of ``pallas_kernels.attention.segment_ids_from_cu_seqlens`` (pure torch,
-  so it traces under torch.compile). Tokens past ``cu_seqlens[-1]`` get id S.
+  so it traces under torch.compile): token t gets the index of its sequence, and
+  tokens at or past ``cu_seqlens[-1]`` get -1 (mask them with ``kv_mask``).
   """
   cu = cu_seqlens.to(torch.int64)
   pos = torch.arange(num_tokens, device=cu.device, dtype=torch.int64)
-  return (torch.searchsorted(cu, pos, right=True) - 1).to(torch.int32)
+  ids = torch.searchsorted(cu[1:].contiguous(), pos, right=True)
+  return torch.where(pos >= cu[-1], -1, ids).to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------
-# Sol attention (sparse) -- PLACEHOLDER
+# Sol attention (sparse)
 # --------------------------------------------------------------------------------------
-# pallas_kernels/sol_attention.py does not exist yet. When it lands, add here:
-#   * ``packed_kv::sol_attention`` with the same packed/meta arguments as
-#     ``packed_attention`` plus Sol's parameters (tau, sink_blocks, sink_q,
-#     topk_ratio, tail, key_bias) as float/int/bool op arguments;
-#   * its ``register_fake`` (output q.new_empty(q.shape), bf16), reusing
-#     ``_attention_meta`` for validation;
-#   * a ``sol_attention(q, packed, ...)`` front end and a branch in
-#     ``attention_module.PackedH3Attention`` (``attention="sol"``);
-#   * tests mirroring the dense ones in tests/test_torch_bridge.py.
+_SOL_KEY_BIAS_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+              rotation_seed_v, key_bias, block_len, *, real: bool):
+  """Validate Sol's inputs (the dense checks plus Sol's own); return the metadata."""
+  meta = _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                         rotation_seed_v, None, None, None, real=real)
+  if q.shape[1] != meta.num_tokens:
+    raise dlpack.BridgeError(f"Sol attention is self-attention: q has {q.shape[1]} tokens but the "
+                             f"packed K/V has {meta.num_tokens}; use packed_attention for Tq != Tkv")
+  if key_bias is not None:
+    _check(key_bias, "key_bias", real=real, dtype=_SOL_KEY_BIAS_DTYPES, device=q.device)
+    if key_bias.dim() not in (1, 2, 4) or key_bias.shape[-1] != meta.num_tokens:
+      raise dlpack.BridgeError(f"key_bias {list(key_bias.shape)} must be (T,), (B, T) or "
+                               f"(B, 1, 1, T) with T = {meta.num_tokens}")
+  _check(block_len, "block_len", real=real, dtype=torch.int32, shape=(meta.num_blocks,),
+         device=q.device)
+  return meta
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sol_attention", mutates_args=())
+def _sol_attention_op(
+    q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, block_classes: Sequence[int],
+    k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int, tau: float,
+    sm_scale: Optional[float], sink_blocks: Optional[Sequence[int]], sink_q: Optional[Sequence[int]],
+    key_bias: Optional[torch.Tensor], topk_ratio: float, tail: bool,
+    block_len: Optional[torch.Tensor], max_exact: Optional[int], keep_rotated: bool,
+    interpret: Optional[bool],
+) -> torch.Tensor:
+  meta = _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                   rotation_seed_v, key_bias, block_len, real=True)
+  dlpack.check_device({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
+                       "key_bias": key_bias, "block_len": block_len}, interpret)
+  j = dlpack.to_jax
+  jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
+  o = _kernel("sol_attention", "sol_attention")(
+      j(q, "q"), jpacked, tau=float(tau), sm_scale=sm_scale,
+      sink_blocks=None if sink_blocks is None else tuple(int(v) for v in sink_blocks),
+      sink_q=None if sink_q is None else tuple(int(v) for v in sink_q),
+      key_bias=j(key_bias, "key_bias"), topk_ratio=float(topk_ratio), tail=bool(tail),
+      block_len=j(block_len, "block_len"), max_exact=None if max_exact is None else int(max_exact),
+      keep_rotated=bool(keep_rotated), interpret=interpret)
+  return dlpack.to_torch(o, "o")
+
+
+@_sol_attention_op.register_fake
+def _sol_attention_fake(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+                        rotation_seed_v, tau, sm_scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
+                        block_len, max_exact, keep_rotated, interpret):
+  _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
+            rotation_seed_v, key_bias, block_len, real=False)
+  return q.new_empty(q.shape, dtype=torch.bfloat16)
+
+
+def sol_attention(q: torch.Tensor, packed: TorchPackedKV, *, tau: float = 1.0,
+                  sm_scale: float | None = None, sink_blocks: Sequence[int] | None = None,
+                  sink_q: Sequence[int] | None = None, key_bias: torch.Tensor | None = None,
+                  topk_ratio: float = 0.0, tail: bool = True, block_len: torch.Tensor | None = None,
+                  max_exact: int | None = None, keep_rotated: bool = False,
+                  interpret: bool | None = None) -> torch.Tensor:
+  """Torch front end of ``pallas_kernels.sol_attention.sol_attention``.
+
+  Self-attention only (q has the packed K/V's T tokens). Parameters follow
+  comfy-kitchen's ``sol_attn`` (see that module's docstring); ``key_bias`` is (T,),
+  (B, T) or (B, 1, 1, T), bool (True = attend) or float (natural-log bias);
+  ``block_len`` is (NB,) int32. A precomputed ``routing`` is not accepted here: the
+  JAX function recomputes it inside the same call.
+  """
+  if not isinstance(packed, TorchPackedKV):
+    raise dlpack.BridgeError(f"packed must be a TorchPackedKV, got {type(packed).__name__}; wrap "
+                             "raw tensors with TorchPackedKV.from_tuple(meta, tensors)")
+  return torch.ops.packed_kv.sol_attention(
+      q, *_attention_args(packed), float(tau), sm_scale,
+      None if sink_blocks is None else [int(v) for v in sink_blocks],
+      None if sink_q is None else [int(v) for v in sink_q], key_bias, float(topk_ratio), bool(tail),
+      block_len, max_exact, keep_rotated, interpret)

@@ -52,7 +52,8 @@ def meta_from_tensor(t) -> PackedKVMeta:
   else:
     raw = np.asarray(t)
   if raw.dtype != np.uint8 or raw.ndim != 1:
-    raise ValueError(f"packed K/V metadata must be a 1-D uint8 array of JSON, got {raw.dtype}{list(raw.shape)}")
+    raise ValueError("packed K/V metadata must be a 1-D uint8 array of JSON (meta_to_tensor), got "
+                     f"{raw.dtype}{list(raw.shape)}")
   return meta_from_json(raw.tobytes().decode("utf-8"))
 
 

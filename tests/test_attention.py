@@ -1,0 +1,268 @@
+"""Dense attention over packed K/V: kernel vs reference vs plain float32 attention.
+
+Inputs are fresh random draws on every run (the seed is in each failure message).
+Thresholds, kernel vs ``packed_attention_reference`` (same packed K/V): relative L2
+<= 1e-2 and cosine >= 0.99995. The unavoidable floor is the bf16 rounding of the
+output (rel L2 ~1.7e-3); the kernel adds bf16 rounding of p * scale and of the
+dequantized K tile (measured 4e-3 to 5.3e-3 in total on DiT-like data).
+"""
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import formats as fmt
+from benchmarks.quality import cosine, dit_qkv, rel_err
+from pallas_kernels.attention import (attention_f32, packed_attention, packed_attention_reference,
+                                      segment_ids_from_cu_seqlens)
+
+REL_TOL = 1e-2
+COS_TOL = 0.99995
+
+
+@pytest.fixture
+def seed():
+  return int.from_bytes(os.urandom(4), "little")
+
+
+def _make(seed, *, batch=2, tq=200, tkv=200, heads=2, head_dim=128, token_ranges=(), k_scheme="channel",
+          v_scheme="token", dit=False):
+  """Rotated bf16 q, its PackedKV and the float32 (q, k, v) before rotation."""
+  rng = np.random.default_rng(seed)
+  if dit:
+    q, k, v, _, _ = dit_qkv(max(tq, tkv), heads, head_dim, batch=batch, prefix_tokens=tkv // 10, seed=seed)
+    q, k, v = q[:, :tq], k[:, :tkv], v[:, :tkv]
+  else:
+    q = rng.normal(size=(batch, tq, heads, head_dim)).astype(np.float32) * 1.5
+    k = rng.normal(size=(batch, tkv, heads, head_dim)).astype(np.float32) + rng.normal(size=head_dim) * 0.5
+    v = rng.normal(size=(batch, tkv, heads, head_dim)).astype(np.float32)
+  meta = fmt.PackedKVMeta(batch, heads, head_dim, tkv, fmt.resolve_block_classes(tkv, token_ranges),
+                          k_scheme=k_scheme, v_scheme=v_scheme, rotation_seed_k=seed % 97,
+                          rotation_seed_v=seed % 89 + 1)
+  r_k = fmt.hadamard_rotation(head_dim, meta.rotation_seed_k)
+  r_v = fmt.hadamard_rotation(head_dim, meta.rotation_seed_v)
+  packed = fmt.quantize_reference(jnp.asarray(k @ r_k), jnp.asarray(v @ r_v), meta)
+  return jnp.asarray(q @ r_k, jnp.bfloat16), packed, (q, k, v)
+
+
+def _check(out, ref, seed, rel=REL_TOL, cos=COS_TOL):
+  out = np.asarray(jnp.asarray(out, jnp.float32))
+  ref = np.asarray(ref, np.float32)
+  assert out.shape == ref.shape
+  assert np.isfinite(out).all(), f"seed={seed}: non-finite output"
+  e, c = rel_err(out, ref), cosine(out, ref)
+  assert e <= rel and c >= cos, f"seed={seed}: rel_err={e:.3e} cos={c:.7f}"
+
+
+def _numpy_attention(q, k, v, sm_scale, ok):
+  """Independent float64 softmax attention; ok (B, Tq, Tkv) bool; empty rows give 0."""
+  s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) * sm_scale
+  s = np.where(ok[:, None], s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+  l = p.sum(-1, keepdims=True)
+  return np.einsum("bhqk,bkhd->bqhd", p / np.where(l > 0, l, 1.0), v.astype(np.float64))
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+def test_reference_matches_numpy_attention_on_dequantized_kv(seed):
+  q, packed, _ = _make(seed, token_ranges=((0, 50, "int8"), (130, 150, "bf16")), head_dim=64)
+  meta = packed.meta
+  rng = np.random.default_rng(seed + 1)
+  q_seg = np.sort(rng.integers(0, 3, (2, 200)), axis=1).astype(np.int32)
+  kv_seg = np.sort(rng.integers(0, 3, (2, 200)), axis=1).astype(np.int32)
+  kv_mask = rng.uniform(size=(2, 200)) < 0.8
+  kv_mask[1, :] = False  # row 1: every query sees nothing -> output 0
+  k, v = (np.asarray(x) for x in fmt.dequantize_reference(packed))
+  ok = (q_seg[:, :, None] == kv_seg[:, None, :]) & kv_mask[:, None, :]
+  want = _numpy_attention(np.asarray(q, np.float32), k, v, 0.125, ok)
+  got = packed_attention_reference(q, packed, q_segment_ids=q_seg, kv_segment_ids=kv_seg, kv_mask=kv_mask,
+                                   keep_rotated=True)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+  r_v = fmt.hadamard_rotation(64, meta.rotation_seed_v)
+  got_u = packed_attention_reference(q, packed, q_segment_ids=q_seg, kv_segment_ids=kv_seg, kv_mask=kv_mask)
+  np.testing.assert_allclose(np.asarray(got_u), want @ r_v.T, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got_u)[1] == 0)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel vs reference
+# --------------------------------------------------------------------------------------
+CASES = [
+    # (head_dim, k_scheme, v_scheme, token ranges) -- int4 default, mixed, one class only
+    (128, "channel", "token", ()),
+    (128, "token", "token_g64", ((0, 64, "bf16"), (64, 130, "int8"))),
+    (64, "channel", "token_g64", ((10, 70, "int8"), (150, 200, "bf16"))),
+    (64, "token", "token", ((0, 200, "int8"),)),
+]
+
+
+@pytest.mark.parametrize("head_dim,k_scheme,v_scheme,ranges", CASES)
+def test_kernel_matches_reference(seed, head_dim, k_scheme, v_scheme, ranges):
+  q, packed, _ = _make(seed, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme, token_ranges=ranges,
+                       dit=head_dim == 128)
+  out = packed_attention(q, packed, interpret=True, block_q=64)
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+  _check(out, packed_attention_reference(q, packed), seed)
+
+
+def test_ragged_q_differs_from_kv_and_codegen_variants(seed):
+  # Tq < block_q and != Tkv; the code-generation variants give the same answer
+  # (packed bf16 K math also rounds the zero point: looser bound).
+  q, packed, _ = _make(seed, tq=77, tkv=250, token_ranges=((0, 40, "int8"),), k_scheme="token")
+  ref = packed_attention_reference(q, packed)
+  _check(packed_attention(q, packed, interpret=True, block_q=128), ref, seed)
+  _check(packed_attention(q, packed, interpret=True, block_q=32, _tune={"v_exact": False}), ref, seed)
+  _check(packed_attention(q, packed, interpret=True, block_q=64, _tune={"convert": "cast"}), ref, seed)
+  q, packed, _ = _make(seed, tq=77, tkv=250, dit=True)
+  _check(packed_attention(q, packed, interpret=True, block_q=64, _tune={"k_math": "bf16"}),
+         packed_attention_reference(q, packed), seed, rel=2e-2, cos=0.9998)
+
+
+def test_all_bf16_classes_match_plain_attention(seed):
+  # bf16 storage: the only error is bf16 rounding of q/k/v/p/output.
+  q, packed, (q32, k32, v32) = _make(seed, token_ranges=((0, 190, "bf16"),), tkv=190)
+  want = attention_f32(q32, k32, v32, sm_scale=128 ** -0.5)
+  _check(packed_attention(q, packed, interpret=True, block_q=64), want, seed, rel=6e-3, cos=0.99998)
+
+
+def test_segments_mask_and_keep_rotated(seed):
+  q, packed, _ = _make(seed, head_dim=64, token_ranges=((0, 30, "bf16"), (64, 100, "int8")),
+                       v_scheme="token_g64")
+  rng = np.random.default_rng(seed)
+  cut = sorted(rng.choice(np.arange(1, 190), 3, replace=False).tolist())
+  seg = segment_ids_from_cu_seqlens(np.array([0, *cut, 190]), 200)  # tokens 190.. -> -1
+  q_seg = jnp.stack([seg, jnp.where(jnp.arange(200) < 20, 7, seg)])  # segment 7: no keys
+  kv_mask = jnp.asarray(rng.uniform(size=(2, 200)) < 0.85)
+  kw = dict(q_segment_ids=q_seg, kv_segment_ids=seg, kv_mask=kv_mask)
+  for keep in (False, True):
+    out = packed_attention(q, packed, interpret=True, block_q=64, keep_rotated=keep, **kw)
+    _check(out, packed_attention_reference(q, packed, keep_rotated=keep, **kw), seed)
+  assert np.all(np.asarray(out[1, :20], np.float32) == 0.0), "rows without visible keys must be exactly 0"
+
+
+def test_segment_ids_from_cu_seqlens():
+  ids = np.asarray(segment_ids_from_cu_seqlens(np.array([0, 3, 3, 7]), 9))
+  assert ids.dtype == np.int32
+  assert ids.tolist() == [0, 0, 0, 2, 2, 2, 2, -1, -1]
+  with pytest.raises(ValueError, match="start at 0"):
+    segment_ids_from_cu_seqlens(np.array([1, 4]), 9)
+  with pytest.raises(ValueError, match="1-D integer"):
+    segment_ids_from_cu_seqlens(np.array([[0, 4]]), 9)
+
+
+def test_nan_poisoned_output_is_fully_overwritten(seed):
+  # The output buffer starts as NaN (aliased input); every element must be written.
+  # (Interpret mode also starts unaliased outputs as NaN.)
+  q, packed, _ = _make(seed, tq=150, tkv=130, head_dim=64, token_ranges=((0, 10, "int8"),))
+  poison = jnp.full(q.shape, jnp.nan, jnp.bfloat16)
+  out = packed_attention(q, packed, interpret=True, block_q=64, _out=poison)
+  assert np.isfinite(np.asarray(out, np.float32)).all(), f"seed={seed}: unwritten output elements"
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(packed_attention(q, packed, interpret=True, block_q=64), np.float32))
+
+
+# --------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------
+def test_clear_errors_on_bad_input():
+  q, packed, _ = _make(0, tq=64, tkv=64, batch=1, heads=2, head_dim=64)
+  run = lambda *a, **k: packed_attention(*a, interpret=True, **k)
+  with pytest.raises(ValueError, match="bfloat16"):
+    run(q.astype(jnp.float32), packed)
+  with pytest.raises(ValueError, match=r"\(B, Tq, H, D\)"):
+    run(q[0], packed)
+  q128 = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="head_dim 128 does not match"):
+    run(q128, packed)
+  with pytest.raises(ValueError, match=r"\(B, H\)"):
+    run(jnp.zeros((1, 64, 3, 64), jnp.bfloat16), packed)
+  seg = jnp.zeros((1, 64), jnp.int32)
+  with pytest.raises(ValueError, match="both"):
+    run(q, packed, q_segment_ids=seg)
+  with pytest.raises(ValueError, match="kv_segment_ids must have shape"):
+    run(q, packed, q_segment_ids=seg, kv_segment_ids=jnp.zeros((1, 63), jnp.int32))
+  with pytest.raises(ValueError, match="integer"):
+    run(q, packed, q_segment_ids=seg.astype(jnp.float32), kv_segment_ids=seg)
+  with pytest.raises(ValueError, match="kv_mask"):
+    run(q, packed, kv_mask=jnp.ones((1, 64), jnp.int32))
+  with pytest.raises(ValueError, match="block_q"):
+    run(q, packed, block_q=48)
+  bad = fmt.PackedKV(packed.meta, packed.arrays | {"k_codes4": packed.k_codes4.astype(jnp.int8)})
+  with pytest.raises(ValueError, match="k_codes4"):
+    run(q, bad)
+  with pytest.raises(ValueError, match="PackedKV"):
+    run(q, packed.arrays)
+
+
+# --------------------------------------------------------------------------------------
+# No full-precision K or V anywhere in the compiled program
+# --------------------------------------------------------------------------------------
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _largest_buffer(hlo_text: str) -> tuple[int, str]:
+  best = (0, "")
+  for m in re.finditer(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]", hlo_text):
+    dims = [int(x) for x in m.group(2).split(",") if x]
+    size = _DTYPE_BYTES[m.group(1)] * int(np.prod(dims, dtype=np.int64))
+    best = max(best, (size, m.group(0)))
+  return best
+
+
+def _expand_to_bf16_attention(q, packed):
+  """Negative control: what the kernel must never do."""
+  k, v = fmt.dequantize_reference(packed)
+  k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  return jax.nn.dot_product_attention(q, k, v).astype(jnp.bfloat16)
+
+
+def test_compiled_program_holds_no_full_kv():
+  # Tq is small, so q and the output are far below one full bf16 K (B*Tkv*H*D*2
+  # bytes): any buffer that large must be an expansion of K or V.
+  # Temp memory: interpret mode carries every input through its grid loop and pads
+  # refs for dynamic slicing, so its temp is a small multiple of the *packed*
+  # payload (~1.6x here); expanding K and V adds at least 2 full bf16 copies.
+  q, packed, _ = _make(0, batch=1, tq=64, tkv=1024, heads=2, head_dim=128, token_ranges=((0, 64, "int8"),))
+  limit = 1 * 1024 * 2 * 128 * 2
+  temp_limit = 2 * packed.nbytes() + 8 * q.nbytes
+
+  def inspect(fn):
+    compiled = jax.jit(fn).lower(q, packed).compile()
+    size, where = _largest_buffer(compiled.as_text())
+    return size, where, compiled.memory_analysis().temp_size_in_bytes
+
+  size, where, temp = inspect(lambda q, p: packed_attention(q, p, interpret=True, block_q=64))
+  assert size < limit, f"kernel program holds {where} ({size} bytes >= {limit})"
+  assert temp < temp_limit, f"kernel program temp memory {temp} bytes >= {temp_limit}"
+  size, where, temp = inspect(_expand_to_bf16_attention)
+  assert size >= limit, "negative control (expand K/V to bf16) should be flagged"
+  assert temp >= max(temp_limit, 2 * limit), "negative control temp memory should be flagged"
+
+
+# --------------------------------------------------------------------------------------
+# GPU (non-interpreted Triton); run with `pytest -m gpu` on the device machine
+# --------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,k_scheme,v_scheme", [(128, "channel", "token"), (64, "token", "token_g64")])
+def test_gpu_kernel_matches_reference(seed, head_dim, k_scheme, v_scheme):
+  t = 1000
+  q, packed, _ = _make(seed, batch=2, tq=t, tkv=t, heads=4, head_dim=head_dim, k_scheme=k_scheme,
+                       v_scheme=v_scheme, token_ranges=((0, 100, "int8"), (300, 340, "bf16")), dit=True)
+  ref = packed_attention_reference(q, packed)
+  for block_q in (64, 128):
+    _check(packed_attention(q, packed, interpret=False, block_q=block_q), ref, seed)
+  poison = jnp.full(q.shape, jnp.nan, jnp.bfloat16)
+  _check(packed_attention(q, packed, interpret=False, _out=poison), ref, seed)
+  seg = segment_ids_from_cu_seqlens(np.array([0, 333, 900]), t)
+  kv_mask = jnp.asarray(np.random.default_rng(seed).uniform(size=(2, t)) < 0.9)
+  kw = dict(q_segment_ids=seg, kv_segment_ids=seg, kv_mask=kv_mask)
+  for keep in (False, True):
+    _check(packed_attention(q, packed, interpret=False, keep_rotated=keep, **kw),
+           packed_attention_reference(q, packed, keep_rotated=keep, **kw), seed)

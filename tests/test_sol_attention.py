@@ -1,0 +1,356 @@
+"""Sol attention: routing, the jnp reference's semantics, and the Pallas kernel against it.
+
+DiT-like data throughout (random Gaussian data makes routing meaningless). Shapes are
+small and ragged so interpret mode stays fast; the ``gpu`` test reruns the kernel
+cases on the device, where the Triton lowering rules apply.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.quality import dit_qkv, quality
+from formats import packed_kv as fmt
+from pallas_kernels import attention as dense
+from pallas_kernels import sol_attention as sol
+
+H = 2
+_quantize = jax.jit(fmt.quantize_reference, static_argnums=2)
+MIXED = (2, 2, 1, 0, 0, 1, 0, 0, 0, 2, 0)  # 11 blocks: bf16 prefix, int8 and int4 elsewhere
+
+
+@functools.lru_cache(maxsize=None)
+def _data(t, d, classes=None, k_scheme="channel", v_scheme="token", seed=0, block_len_seed=None):
+  """(q bf16, packed, block_len or None, live rows (T,) bool) for a DiT-like head set.
+
+  With ``block_len_seed`` the dead rows of K and V are zeroed before packing: what a
+  zero-padded tile looks like after the projection.
+  """
+  q, k, v, _, _ = dit_qkv(t, H, d, prefix_tokens=t // 8, seed=seed)
+  rk, rv = fmt.hadamard_rotation(d, 0), fmt.hadamard_rotation(d, 1)
+  kr, vr = k @ rk, v @ rv
+  nb = -(-t // fmt.BLOCK)
+  block_len, live = None, np.ones((t,), bool)
+  if block_len_seed is not None:
+    block_len = np.random.default_rng(block_len_seed).integers(8, 65, nb).astype(np.int32)
+    live = (np.arange(t) % fmt.BLOCK) < block_len[np.arange(t) // fmt.BLOCK]
+    kr, vr = kr * live[None, :, None, None], vr * live[None, :, None, None]
+    block_len = jnp.asarray(block_len)
+  meta = fmt.PackedKVMeta(1, H, d, t, classes or (0,) * nb, k_scheme, v_scheme)
+  packed = _quantize(jnp.asarray(kr), jnp.asarray(vr), meta)
+  return jnp.asarray(q @ rk, jnp.bfloat16), packed, block_len, live
+
+
+def _key_bias(t, seed=0):
+  rng = np.random.default_rng(seed)
+  kb = rng.normal(size=t).astype(np.float32)
+  kb[rng.uniform(size=t) < 0.2] = -np.inf
+  return jnp.asarray(kb)
+
+
+def _check(out, ref, live=None, cos=0.998):
+  o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  if live is not None:
+    o, r = o[:, live], r[:, live]
+  assert np.isfinite(o).all()
+  qual = quality(o, r)
+  assert qual["cos"] >= cos, qual
+  return qual
+
+
+# name: (T, D, classes, k_scheme, v_scheme, block_len_seed, sol kwargs)
+CASES = {
+    "int4_d64_tau1": (700, 64, None, "channel", "token", None, {}),
+    "mixed_d128_g64_tau05": (700, 128, MIXED, "channel", "token_g64", None, {"tau": 0.5}),
+    "mixed_ktoken_topk_sinks": (700, 128, MIXED, "token", "token", None,
+                                {"topk_ratio": 0.3, "sink_blocks": [0, 2]}),
+    "no_tail_sink_q": (700, 128, None, "channel", "token", None,
+                       {"tail": False, "sink_q": [3, 5], "sink_blocks": [0, 1]}),
+    "key_bias_d64": (700, 64, MIXED, "channel", "token", None, {"key_bias": "kb", "sink_blocks": [0, 2]}),
+    "block_len": (700, 128, None, "channel", "token", 3, {}),
+    "whole_blocks_t640": (640, 64, None, "token", "token_g64", None, {"tau": 0.0}),
+    "tiny_tail_t65": (65, 64, None, "channel", "token", None, {}),
+}
+
+
+def _case_inputs(name):
+  t, d, classes, ks, vs, bl_seed, kw = CASES[name]
+  q, packed, block_len, live = _data(t, d, classes, ks, vs, block_len_seed=bl_seed)
+  kw = dict(kw)
+  if kw.get("key_bias") == "kb":
+    kw["key_bias"] = _key_bias(t)
+  if block_len is not None:
+    kw["block_len"] = block_len
+  return q, packed, kw, live
+
+
+def _run_case(name):
+  q, packed, kw, live = _case_inputs(name)
+  return sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw), live
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+  out, ref, live = _run_case(name)
+  assert out.shape == ref.shape and out.dtype == jnp.bfloat16
+  _check(out, ref, live)
+
+
+@pytest.mark.parametrize("name, keep_rotated", [("mixed_ktoken_topk_sinks", False), ("no_tail_sink_q", True),
+                                                ("key_bias_d64", False), ("block_len", False)])
+def test_kernel_lowers_to_triton(name, keep_rotated):
+  """Lower for CUDA on this CPU machine: catches what Pallas-Triton rejects (slices of
+  values, non power-of-two shapes, unsupported ops) that interpret mode lets through."""
+  q, packed, kw, _ = _case_inputs(name)
+  arrays = {k: v for k, v in kw.items() if hasattr(v, "shape")}
+  static = {k: v for k, v in kw.items() if not hasattr(v, "shape")}
+  fn = jax.jit(lambda q, packed, arrays: sol.sol_attention(q, packed, interpret=False, keep_rotated=keep_rotated,
+                                                           **static, **arrays))
+  text = fn.trace(q, packed, arrays).lower(lowering_platforms=("cuda",)).as_text()
+  assert "sol_attention" in text and "triton" in text.lower()
+
+
+@pytest.mark.parametrize("kw", [{}, {"tau": -0.5, "sm_scale": 0.2}, {"topk_ratio": 0.3, "sink_blocks": [0, 2]},
+                                {"tail": False, "sink_q": [5, 7]}, {"block_len": "bl"},
+                                {"key_bias": "kb", "sink_blocks": [0, 4]}])
+def test_reference_matches_comfy_kitchen_eager(kw):
+  """Our jnp reference against comfy-kitchen's eager sol_attn, where it is installed.
+
+  Same numbers in: a bf16 store (exact), stats from the same bf16-rounded K/V, and
+  comfy called on the rotated tensors (routing's tau threshold is basis dependent;
+  see the module docstring). Not installed here: skipped.
+  """
+  eager = pytest.importorskip("comfy_kitchen.backends.eager.sol_attn")
+  torch = pytest.importorskip("torch")
+  t, d = 700, 64
+  q, k, v, _, _ = dit_qkv(t, H, d, prefix_tokens=100, seed=3)
+  rk, rv = fmt.hadamard_rotation(d, 0), fmt.hadamard_rotation(d, 1)
+  bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  qr, kr, vr = bf(q @ rk), bf(k @ rk), bf(v @ rv)
+  nb = -(-t // fmt.BLOCK)
+  ours, theirs, live = dict(kw), dict(kw), np.ones((t,), bool)
+  if kw.get("block_len") == "bl":
+    bl = np.random.default_rng(0).integers(20, 65, nb).astype(np.int32)
+    live = (np.arange(t) % fmt.BLOCK) < bl[np.arange(t) // fmt.BLOCK]
+    kr, vr = kr * live[None, :, None, None], vr * live[None, :, None, None]
+    ours["block_len"], theirs["block_len"] = jnp.asarray(bl), torch.from_numpy(bl)
+  if kw.get("key_bias") == "kb":
+    kb = np.asarray(_key_bias(t))
+    ours["key_bias"], theirs["key_bias"] = jnp.asarray(kb), torch.from_numpy(kb.copy())
+  if "sm_scale" in theirs:
+    theirs["scale"] = theirs.pop("sm_scale")
+  packed = _quantize(jnp.asarray(kr), jnp.asarray(vr), fmt.PackedKVMeta(1, H, d, t, (2,) * nb))
+  out = np.asarray(sol.sol_attention_reference(jnp.asarray(qr, jnp.bfloat16), packed, keep_rotated=True, **ours))
+  want = eager.sol_attn(*(torch.from_numpy(x.copy()) for x in (qr, kr, vr)), **theirs).numpy()
+  assert quality(out[:, live], want[:, live])["rel_l1"] < 1e-5
+
+
+def test_tau_moves_monotonically_toward_dense():
+  q, packed, _, _ = _data(700, 128)
+  dense_ref = dense.packed_attention_reference(q, packed)
+  prev_exact, prev_err = None, np.inf
+  for tau in (3.0, 1.5, 1.0, 0.0, -1.0, -2.0, -1e9):
+    out, exact = sol.sol_attention_reference(q, packed, tau=tau, return_exact=True)
+    exact = np.asarray(exact)
+    if prev_exact is not None:
+      assert (exact >= prev_exact).all(), f"tau={tau} dropped a block a higher tau kept"
+    err = quality(out, dense_ref)["rel_l1"]
+    assert err <= prev_err + 1e-6, (tau, err, prev_err)
+    prev_exact, prev_err = exact, err
+  assert exact.all() and prev_err < 1e-5
+  # The kernel follows the reference at both ends of the sweep.
+  _check(sol.sol_attention(q, packed, tau=-1e9), dense_ref, cos=0.9999)
+
+
+def test_sink_q_rows_equal_dense_attention():
+  q, packed, _, _ = _data(700, 128, MIXED)
+  dense_ref = np.asarray(dense.packed_attention_reference(q, packed))
+  out = np.asarray(sol.sol_attention(q, packed, tau=2.0, sink_q=[4, 6]), np.float32)
+  rows = slice(4 * fmt.BLOCK, 6 * fmt.BLOCK)
+  assert quality(out[:, rows], dense_ref[:, rows])["cos"] >= 0.9999
+  # ... while the other rows are sparse and differ from dense.
+  assert quality(out[:, :4 * fmt.BLOCK], dense_ref[:, :4 * fmt.BLOCK])["cos"] < 0.999
+  everything = sol.sol_attention(q, packed, tau=2.0, sink_q=[0, 100])
+  _check(everything, dense_ref, cos=0.9999)
+
+
+def test_sinks_and_diagonal_are_always_exact():
+  q, packed, _, _ = _data(700, 128)
+  nb = packed.meta.num_blocks
+  _, exact = sol.sol_attention_reference(q, packed, tau=50.0, sink_blocks=[1, 3], sink_q=[7, 8],
+                                         return_exact=True)
+  i, j = np.meshgrid(np.arange(nb), np.arange(nb), indexing="ij")
+  forced = (np.abs(i - j) <= 1) | ((j >= 1) & (j < 3)) | (i == 7)
+  np.testing.assert_array_equal(np.asarray(exact), np.broadcast_to(forced, exact.shape))
+
+
+def test_topk_keeps_its_budget_outside_the_sinks():
+  q, packed, _, _ = _data(700, 128)
+  nb = packed.meta.num_blocks
+  ratio, sinks = 0.3, (0, 2)
+  kk = sol.topk_count(nb - 2, ratio)
+  assert kk == round(0.3 * 9)
+  _, exact = sol.sol_attention_reference(q, packed, topk_ratio=ratio, sink_blocks=list(sinks), tau=1e9,
+                                         return_exact=True)
+  exact = np.asarray(exact)[..., 2:]              # non-sink columns
+  diag = np.abs(np.arange(nb)[:, None] - np.arange(2, nb)[None, :]) <= 1
+  per_row = exact.sum(-1)
+  assert (per_row >= kk).all() and (per_row <= kk + 3).all()
+  assert ((exact & ~diag).sum(-1) <= kk).all()
+  assert sol.topk_count(1, 0.5) == 0 and sol.topk_count(10, 0.01) == 1 and sol.topk_count(10, 0.99) == 9
+
+
+def test_routing_lists_match_reference_chunked_and_bounded():
+  q, packed, _, _ = _data(700, 128, MIXED)
+  nb = packed.meta.num_blocks
+  kw = dict(tau=0.5, sink_blocks=[1, 2], sink_q=[9, 10])
+  _, exact = sol.sol_attention_reference(q, packed, return_exact=True, **kw)
+  # A tiny chunk budget forces one query block per chunk: same lists as one chunk.
+  r = sol.sol_routing(q, packed, route_chunk_bytes=1, **kw)
+  r1 = sol.sol_routing(q, packed, **kw)
+  np.testing.assert_array_equal(np.asarray(r.blocks), np.asarray(r1.blocks))
+  assert r.blocks.dtype == jnp.int16 and r.blocks.shape == (1, H, nb, nb)  # capacity clipped to NB
+  blocks, counts = np.asarray(r.blocks), np.asarray(r.counts)
+  want = np.asarray(exact).copy()
+  want[..., 1:2] = False          # the sink range is walked directly, not listed
+  want[..., 9, :] = False         # sink_q rows are dense, no list
+  for b in range(1):
+    for h in range(H):
+      for i in range(nb):
+        row = blocks[b, h, i]
+        listed = row[:counts[b, h, i]]
+        assert (np.diff(listed) > 0).all() and (row[counts[b, h, i]:] == -1).all()
+        np.testing.assert_array_equal(listed, np.flatnonzero(want[b, h, i]))
+  assert not np.asarray(r.dropped).any()
+  expect = sol.routing_nbytes(1, H, 700, 128, nb)["total"]
+  assert r.nbytes() == expect
+
+
+def test_max_exact_cut_keeps_the_best_blocks_and_reports_drops():
+  q, packed, _, _ = _data(700, 128)
+  kw = dict(tau=-0.5, max_exact=4)
+  r = sol.sol_routing(q, packed, **kw)
+  dropped, counts = np.asarray(r.dropped), np.asarray(r.counts)
+  assert dropped.sum() > 0 and counts.max() == 4
+  _, full = sol.sol_attention_reference(q, packed, tau=-0.5, return_exact=True)
+  _, cut = sol.sol_attention_reference(q, packed, return_exact=True, **kw)
+  np.testing.assert_array_equal(np.asarray(full).sum(-1) - np.asarray(cut).sum(-1), dropped)
+  _check(sol.sol_attention(q, packed, routing=r, **kw), sol.sol_attention_reference(q, packed, **kw))
+  # The routing metadata does not grow with the square of T: capacity is fixed.
+  assert r.blocks.shape[-1] == 4
+  big = sol.routing_nbytes(1, 56, 152_263, 128, sol.DEFAULT_MAX_EXACT_TAU)
+  assert big["blocks"] == 56 * 2380 * 1024 * 2
+
+
+def test_key_bias_forms_agree():
+  q, packed, _, _ = _data(700, 64, MIXED)
+  t = 700
+  kb = _key_bias(t)
+  base = sol.sol_attention_reference(q, packed, key_bias=kb, sink_blocks=[0, 2])
+  for form in (kb[None], kb[None, None, None]):
+    np.testing.assert_array_equal(np.asarray(sol.sol_attention_reference(q, packed, key_bias=form,
+                                                                          sink_blocks=[0, 2])), np.asarray(base))
+  mask = np.asarray(jnp.isfinite(kb))
+  as_bool = sol.sol_attention_reference(q, packed, key_bias=jnp.asarray(mask), sink_blocks=[0, 2])
+  as_float = sol.sol_attention_reference(q, packed, key_bias=jnp.where(mask, 0.0, -jnp.inf), sink_blocks=[0, 2])
+  np.testing.assert_array_equal(np.asarray(as_bool), np.asarray(as_float))
+
+
+def test_keep_rotated_is_the_rotated_output():
+  q, packed, _, _ = _data(300, 64)
+  rot = np.asarray(sol.sol_attention(q, packed, keep_rotated=True), np.float32)
+  out = np.asarray(sol.sol_attention(q, packed), np.float32)
+  rv = fmt.hadamard_rotation(64, packed.meta.rotation_seed_v)
+  assert quality(rot @ rv.T, out)["cos"] >= 0.9999
+
+
+def _poison_rows(packed, rows_by_block):
+  """NaN into the per-row scales/zeros (token schemes) and bf16 rows of given rows."""
+  meta = packed.meta
+  arrays = dict(packed.arrays)
+  for cls in fmt.CLASSES:
+    for slot, blk in enumerate(meta.slots(cls)):
+      rows = [slot * fmt.BLOCK + r for r in rows_by_block.get(blk, ())]
+      if not rows:
+        continue
+      for role in ("k", "v"):
+        scheme = meta.k_scheme if role == "k" else meta.v_scheme
+        if cls == "bf16":
+          arrays[f"{role}_bf16"] = arrays[f"{role}_bf16"].at[:, :, rows].set(jnp.nan)
+        elif scheme != "channel":
+          sfx = "4" if cls == "int4" else "8"
+          for part in ("scale", "zero"):
+            arrays[f"{role}_{part}{sfx}"] = arrays[f"{role}_{part}{sfx}"].at[..., rows].set(jnp.nan)
+  return fmt.PackedKV(meta, arrays)
+
+
+def test_nan_poisoning_of_padding_dead_rows_and_unused_list_entries():
+  t = 700
+  q, packed, block_len, live = _data(t, 128, MIXED, "token", "token", block_len_seed=5)
+  nb = packed.meta.num_blocks
+  kw = dict(block_len=block_len, tau=0.5)
+  clean = np.asarray(sol.sol_attention(q, packed, **kw), np.float32)[:, live]
+  # Dead rows of every block and the padding rows past T.
+  dead = {b: [r for r in range(fmt.BLOCK) if b * fmt.BLOCK + r >= t or not live[b * fmt.BLOCK + r]]
+          for b in range(nb)}
+  poisoned = _poison_rows(packed, dead)
+  q_bad = jnp.where(jnp.asarray(live)[None, :, None, None], q, jnp.nan).astype(jnp.bfloat16)
+  r = sol.sol_routing(q_bad, poisoned, **kw)
+  # List entries past each count are never read: fill them with a real block.
+  r = dataclasses.replace(r, blocks=jnp.where(r.blocks < 0, jnp.int16(0), r.blocks))
+  out = np.asarray(sol.sol_attention(q_bad, poisoned, routing=r, **kw), np.float32)[:, live]
+  assert np.isfinite(out).all()
+  np.testing.assert_array_equal(out, clean)
+
+
+def test_fully_masked_rows_output_zero():
+  q, packed, _, _ = _data(300, 64)
+  out = sol.sol_attention(q, packed, key_bias=jnp.full((300,), -jnp.inf), tail=False)
+  ref = sol.sol_attention_reference(q, packed, key_bias=jnp.full((300,), -jnp.inf), tail=False)
+  assert not np.asarray(out, np.float32).any() and not np.asarray(ref).any()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tau": float("nan")}, "tau"),
+    ({"topk_ratio": 1.5}, "topk_ratio"),
+    ({"sink_blocks": [3, 1]}, "sink_blocks"),
+    ({"sink_q": [0, 1, 2]}, "sink_q"),
+    ({"sink_blocks": [-1, 2]}, "non-negative"),
+    ({"block_len": np.full((5,), 64, np.int64)}, "block_len"),
+    ({"block_len": np.full((4,), 64, np.int32)}, "block_len"),
+    ({"key_bias": np.zeros((1, 2, 1, 300), np.float32)}, "key-only"),
+    ({"key_bias": np.zeros((299,), np.float32)}, "key_bias"),
+    ({"max_exact": 2}, "max_exact"),
+    ({"sm_scale": -1.0}, "sm_scale"),
+])
+def test_bad_arguments_raise(kwargs, match):
+  q, packed, _, _ = _data(300, 64)
+  with pytest.raises(ValueError, match=match):
+    sol.sol_attention(q, packed, **kwargs)
+
+
+def test_bad_inputs_raise():
+  q, packed, _, _ = _data(300, 64)
+  with pytest.raises(ValueError, match="self-attention"):
+    sol.sol_attention(q[:, :200], packed)
+  with pytest.raises(ValueError, match="bfloat16"):
+    sol.sol_attention(q.astype(jnp.float32), packed)
+  with pytest.raises(ValueError, match="PackedKV"):
+    sol.sol_attention(q, {"k": 1})
+  other = sol.sol_routing(*_data(700, 64)[:2])
+  with pytest.raises(ValueError, match="routing"):
+    sol.sol_attention(q, packed, routing=other)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_matches_reference():
+  """Every kernel case on the device (Triton lowering), plus a longer sequence."""
+  for name in CASES:
+    out, ref, live = _run_case(name)
+    _check(out, ref, live)
+  q, packed, _, _ = _data(4000, 128, None, "channel", "token", seed=1)
+  for kw in ({}, {"topk_ratio": 0.1, "sink_blocks": [0, 8]}, {"tau": 1.5, "sink_q": [10, 12]}):
+    _check(sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw))

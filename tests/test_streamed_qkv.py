@@ -1,0 +1,376 @@
+"""Streamed QKV projection: kernel vs the f32 reference, the format, the memory claim.
+
+CPU runs use Pallas interpret mode, which fills every float output with NaN
+before the kernel runs (ints with their minimum), so "all finite" means "all
+written". Interpret mode does not enforce Triton's rules, so the Triton IR is
+also lowered here (on CPU, for platform cuda), and the gpu-marked test runs it.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.quality import cosine, rel_err
+from formats import packed_kv as fmt
+from pallas_kernels import rope
+from pallas_kernels.streamed_qkv import (reference_rotated_qkv, streamed_qkv,
+                                         streamed_qkv_reference)
+
+
+def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias="f32", seed=0):
+  """Random bf16 x, W and f32 norm weights; per-channel K offsets via the bias."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(b, t, hidden)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(hidden, 3 * heads * head_dim)) / np.sqrt(hidden), jnp.bfloat16)
+  bias_arr = None
+  if bias is not None:
+    bias_arr = jnp.asarray(rng.normal(0.0, 0.5, size=(3 * heads * head_dim,)),
+                           jnp.float32 if bias == "f32" else jnp.bfloat16)
+  angles = rng.uniform(0.0, 2 * np.pi, size=(t, rot_dim // 2))
+  cos, sin = rope.rope_tables(angles, head_dim)
+  kw = dict(q_norm_weight=jnp.asarray(1 + 0.3 * rng.normal(size=head_dim), jnp.float32),
+            k_norm_weight=jnp.asarray(1 + 0.3 * rng.normal(size=head_dim), jnp.float32),
+            rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin), rot_dim=rot_dim, heads=heads,
+            head_dim=head_dim)
+  return x, w, bias_arr, kw
+
+
+_dequantize = jax.jit(fmt.dequantize_reference)  # eager dispatch would dominate test time
+
+
+def _unpacked_codes(packed, role, cls):
+  codes = np.asarray(packed.arrays[f"{role}_codes{'4' if cls == 'int4' else '8'}"])
+  return np.asarray(fmt.unpack_nibbles(jnp.asarray(codes))) if cls == "int4" else codes
+
+
+def check_against_reference(q, packed, x, w, bias, kw, meta_kw):
+  """Compare kernel outputs with streamed_qkv_reference; return the reference."""
+  q_ref, ref = streamed_qkv_reference(x, w, bias, **kw, **meta_kw)
+  assert packed.meta == ref.meta
+  fmt.check_packed(packed)
+  # Everything written and finite (interpret mode NaN-fills outputs first).
+  for name, arr in [("q", q)] + list(packed.arrays.items()):
+    a = np.asarray(arr, np.float32)
+    assert np.isfinite(a).all(), f"{name} has non-finite entries (unwritten?)"
+
+  qf, qr = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+  assert rel_err(qf, qr) < 1e-2 and cosine(qf, qr) > 0.9999
+
+  meta = packed.meta
+  for role in "kv":
+    for cls in ("int4", "int8"):
+      if not meta.slots(cls):
+        continue
+      sfx = "4" if cls == "int4" else "8"
+      ck, cr = _unpacked_codes(packed, role, cls), _unpacked_codes(ref, role, cls)
+      diff = np.abs(ck.astype(np.int32) - cr.astype(np.int32))
+      # Only rounding ties may flip, by one step, and rarely.
+      assert diff.max() <= 1, f"{role} {cls} codes differ by {diff.max()}"
+      assert diff.mean() < 2e-3, f"{role} {cls} codes differ in {diff.mean():.2%}"
+      for part in ("scale", "zero"):
+        a = np.asarray(packed.arrays[f"{role}_{part}{sfx}"])
+        r = np.asarray(ref.arrays[f"{role}_{part}{sfx}"])
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5 * np.abs(r).max(),
+                                   err_msg=f"{role}_{part}{sfx}")
+    if meta.slots("bf16"):
+      a = np.asarray(packed.arrays[f"{role}_bf16"], np.float32)
+      r = np.asarray(ref.arrays[f"{role}_bf16"], np.float32)
+      np.testing.assert_allclose(a, r, rtol=2 ** -7, atol=1e-5, err_msg=f"{role}_bf16")
+  for name in ("k_mean", "v_sum"):
+    a, r = np.asarray(packed.arrays[name]), np.asarray(ref.arrays[name])
+    np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=name)
+
+  # Dequantized K/V: as close to the f32 rotated values as the reference's own.
+  _, k32, v32 = reference_rotated_qkv(x, w, bias, **kw, **{
+      k: v for k, v in meta_kw.items() if k.startswith("rotation")})
+  kd, vd = _dequantize(packed)
+  kr, vr = _dequantize(ref)
+  for name, got, want, full in (("k", kd, kr, k32), ("v", vd, vr, v32)):
+    e_kernel, e_ref = rel_err(got, full), rel_err(want, full)
+    assert e_kernel <= 1.02 * e_ref + 1e-6, f"{name}: kernel {e_kernel:.3g} vs ref {e_ref:.3g}"
+    assert rel_err(got, want) < 0.02
+  return q_ref, ref
+
+
+CASES = [
+    # (head_dim, rot_dim, k_scheme, v_scheme, bias, block_classes for T=200, full_width_gemm)
+    (128, 96, "channel", "token", "f32", (1, 0, 2, 0), False),
+    (64, 48, "token", "token_g64", "bf16", (2, 1, 0, 1), False),
+    (128, 128, "token", "token_g64", None, None, True),
+    (64, 0, "channel", "token", "f32", (0, 0, 0, 2), True),
+]
+
+
+@pytest.mark.parametrize("head_dim,rot_dim,k_scheme,v_scheme,bias,classes,full_width", CASES)
+def test_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, bias, classes, full_width):
+  x, w, b, kw = make_inputs(head_dim=head_dim, rot_dim=rot_dim, bias=bias,
+                            seed=head_dim + rot_dim)
+  meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme,
+                 rotation_seed_k=3, rotation_seed_v=4)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, full_width_gemm=full_width)
+  assert q.shape == (2, 200, 2, head_dim) and q.dtype == jnp.bfloat16
+  assert packed.meta.rotation_seed_k == 3 and packed.meta.rotation_seed_v == 4
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+
+
+@pytest.mark.parametrize("tuning", [
+    # 2 Q heads per program; int4 has 3 slots (odd: the last program repeats one).
+    dict(q_heads_per_program=2, kv_blocks_per_program=2),
+    dict(q_heads_per_program=4, kv_blocks_per_program=2, full_width_gemm=False, block_q=64),
+])
+def test_programs_with_several_heads_or_blocks(tuning):
+  """q_heads_per_program / kv_blocks_per_program vs the reference: every class,
+  both scale schemes, a bias, a ragged last block and the duplicate-slot case."""
+  heads = tuning["q_heads_per_program"]
+  x, w, b, kw = make_inputs(b=1, t=200, hidden=96, heads=heads, head_dim=64, rot_dim=48,
+                            seed=21)
+  meta_kw = dict(block_classes=(0, 1, 0, 0) if heads == 2 else (2, 0, 1, 2),
+                 k_scheme="channel" if heads == 2 else "token",
+                 v_scheme="token" if heads == 2 else "token_g64")
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, **tuning)
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+
+
+def test_mixed_policy_and_padded_tail():
+  """int4 + int8 + bf16 blocks from a token-range policy; the ragged tail is zeros."""
+  t = 200
+  classes = fmt.resolve_block_classes(t, [(0, 40, "bf16"), (70, 100, "int8"), (195, 200, "bf16")])
+  assert set(classes) == {0, 1, 2} and classes[-1] == 2
+  x, w, b, kw = make_inputs(t=t, head_dim=64, rot_dim=48, hidden=96, seed=7)  # ragged hidden
+  meta_kw = dict(block_classes=classes)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, block_q=64, block_h=64,
+                           full_width_gemm=True)
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  # The tail block (tokens 192..255, 8 live) is bf16: rows past T must be exact zeros
+  # although the bias makes the projection of a zero row nonzero.
+  last = packed.meta.slots("bf16").index(len(classes) - 1)
+  for role in "kv":
+    store = np.asarray(packed.arrays[f"{role}_bf16"], np.float32)
+    tail = store[:, :, last * 64 + 8:(last + 1) * 64]
+    assert tail.size and not tail.any()
+
+
+def test_padded_tokens_token_scheme():
+  """Per-token params of padded tokens follow the format: scale 1, zero 0, codes 0."""
+  x, w, b, kw = make_inputs(b=1, t=40, head_dim=64, rot_dim=32, seed=11)
+  meta_kw = dict(k_scheme="token", v_scheme="token_g64")
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True)
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  for role in "kv":
+    assert (np.asarray(packed.arrays[f"{role}_scale4"])[..., 40:] == 1).all()
+    assert (np.asarray(packed.arrays[f"{role}_zero4"])[..., 40:] == 0).all()
+    assert (np.asarray(packed.arrays[f"{role}_codes4"])[:, :, 40:] == 0).all()
+
+
+def test_defaults_and_empty_classes():
+  x, w, _, kw = make_inputs(b=1, t=64, hidden=64, heads=1, head_dim=64, rot_dim=48, bias=None)
+  q, packed = streamed_qkv(x, w, **kw, interpret=True)
+  assert packed.meta == fmt.PackedKVMeta(1, 1, 64, 64, (0,))
+  fmt.check_packed(packed)
+  assert packed.k_codes8.shape == (1, 1, 0, 64) and packed.v_bf16.shape == (1, 1, 0, 64)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs
+# ---------------------------------------------------------------------------------------
+def _bad(**changes):
+  x, w, b, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
+  args = dict(x=x, w_qkv=w, bias=b, **kw)
+  args.update(changes)
+  return args
+
+
+@pytest.mark.parametrize("changes,match", [
+    (lambda a: dict(x=a["x"].astype(jnp.float32)), "x must be bfloat16"),
+    (lambda a: dict(x=a["x"][0]), r"x must be \(B, T, hidden\)"),
+    (lambda a: dict(w_qkv=a["w_qkv"].astype(jnp.float32)), "w_qkv must be a 2-D bfloat16"),
+    (lambda a: dict(w_qkv=a["w_qkv"][:32]), r"w_qkv must be \(hidden, 3\*H\*D\)"),
+    (lambda a: dict(w_qkv=a["w_qkv"][:, :100]), r"w_qkv must be \(hidden, 3\*H\*D\)"),
+    (lambda a: dict(heads=2), r"w_qkv must be \(hidden, 3\*H\*D\)"),
+    (lambda a: dict(head_dim=96), "head_dim=96 is not supported"),
+    (lambda a: dict(rot_dim=31), "rot_dim must be even"),
+    (lambda a: dict(rot_dim=66), "rot_dim must be even"),
+    (lambda a: dict(rope_cos=a["rope_cos"][:, :32]), r"rope_cos must be \(T, D\)"),
+    (lambda a: dict(rope_sin=a["rope_sin"][:60]), r"rope_sin must be \(T, D\)"),
+    (lambda a: dict(block_classes=(0,)), "block_classes has 1 entries, need 2"),
+    (lambda a: dict(block_classes=(0, 5)), "block_classes entries"),
+    (lambda a: dict(k_scheme="group"), "k_scheme 'group' unknown"),
+    (lambda a: dict(bias=a["bias"][:10]), r"bias must be \(3\*H\*D,\)"),
+    (lambda a: dict(q_norm_weight=jnp.ones((32,))), r"q_norm_weight must be \(64,\)"),
+])
+def test_bad_inputs(changes, match):
+  args = _bad()
+  args.update(changes(args))
+  x, w, b = args.pop("x"), args.pop("w_qkv"), args.pop("bias")
+  with pytest.raises(ValueError, match=match):
+    streamed_qkv(x, w, b, **args, interpret=True)
+  with pytest.raises(ValueError, match=match):
+    streamed_qkv_reference(x, w, b, **args)
+
+
+def test_bad_tiles():
+  x, w, b, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
+  with pytest.raises(ValueError, match="block_q must be a power of two"):
+    streamed_qkv(x, w, b, **kw, interpret=True, block_q=96)
+  with pytest.raises(ValueError, match="q_heads_per_program=2 must divide heads=1"):
+    streamed_qkv(x, w, b, **kw, interpret=True, q_heads_per_program=2)
+  with pytest.raises(ValueError, match="q_heads_per_program must be 1, 2 or 4"):
+    streamed_qkv(x, w, b, **kw, interpret=True, q_heads_per_program=3)
+  with pytest.raises(ValueError, match="kv_blocks_per_program must be 1 or 2"):
+    streamed_qkv(x, w, b, **kw, interpret=True, kv_blocks_per_program=4)
+
+
+# ---------------------------------------------------------------------------------------
+# Triton lowering (on CPU) and the no-full-QKV memory claim
+# ---------------------------------------------------------------------------------------
+def _abstract(b, t, hidden, heads, head_dim, rot_dim, bias=True):
+  sd = jax.ShapeDtypeStruct
+  nw, tab = sd((head_dim,), jnp.float32), sd((t, head_dim), jnp.float32)
+  x, w = sd((b, t, hidden), jnp.bfloat16), sd((hidden, 3 * heads * head_dim), jnp.bfloat16)
+  bias = sd((3 * heads * head_dim,), jnp.float32) if bias else None
+  return x, w, bias, dict(q_norm_weight=nw, k_norm_weight=nw, rope_cos=tab, rope_sin=tab,
+                          rot_dim=rot_dim, heads=heads, head_dim=head_dim)
+
+
+_MULTI = dict(q_heads_per_program=2, kv_blocks_per_program=2)
+
+
+@pytest.mark.parametrize("head_dim,rot_dim,k_scheme,v_scheme,hidden,bias,tuning", [
+    (128, 96, "channel", "token", 256, True, dict(full_width_gemm=False)),
+    (128, 96, "channel", "token", 256, False, dict(full_width_gemm=True)),
+    (64, 48, "token", "token_g64", 96, False, dict(full_width_gemm=False)),
+    (64, 48, "token", "token_g64", 96, True, dict(full_width_gemm=True)),
+    (128, 96, "channel", "token", 256, True, dict(full_width_gemm=True, **_MULTI)),
+    (64, 48, "token", "token_g64", 96, True, dict(full_width_gemm=False, **_MULTI)),
+])
+def test_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_scheme, hidden, bias, tuning):
+  """The Triton lowering rejects what interpret mode allows (value slices, `other`
+  without `mask`...). It runs on CPU when lowering for platform cuda."""
+  x, w, b, kw = _abstract(1, 200, hidden, 2, head_dim, rot_dim, bias)
+  lowered = streamed_qkv.trace(x, w, b, **kw, block_classes=(0, 1, 2, 0), k_scheme=k_scheme,
+                               v_scheme=v_scheme, interpret=False,
+                               **tuning).lower(lowering_platforms=("cuda",))
+  assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4  # Q + three classes
+
+
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
+          "i32": 4, "ui32": 4, "i8": 1, "ui8": 1, "i1": 1, "pred": 1, "s64": 8, "i64": 8}
+
+
+def stablehlo_tensors(text):
+  """(bytes, type) of every tensor type in a StableHLO module."""
+  out = []
+  for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", text):
+    n = int(np.prod([int(d) for d in dims.split("x") if d])) if dims else 1
+    out.append((n * _BYTES.get(dtype, 4), f"{dims}{dtype}"))
+  return out
+
+
+def hlo_buffers(text):
+  """(bytes, type) of every instruction result outside fusion bodies: the buffers."""
+  fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
+  out, comp = [], None
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
+    if head and line.rstrip().endswith("{"):
+      comp = head.group(1)
+      continue
+    if comp is None or comp in fused:
+      continue
+    inst = re.match(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) [\w\-]+\(", line)
+    if inst:
+      for dtype, dims in re.findall(r"\b(\w+)\[([0-9,]*)\]", inst.group(1)):
+        if dtype in _BYTES:
+          n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+          out.append((n * _BYTES[dtype], f"{dtype}[{dims}]"))
+  return out
+
+
+def big_buffers(buffers, threshold, allowed):
+  return sorted({ty for size, ty in buffers if size >= threshold and ty not in allowed})
+
+
+def anti_pattern(x, w, bias=None, *, heads, head_dim, **_):
+  """BF16 QKV, then quantize: the allocation the kernel exists to avoid."""
+  b, t, _ = x.shape
+  y = (x @ w).reshape(b, t, 3, heads, head_dim)
+  meta = fmt.PackedKVMeta(b, heads, head_dim, t, (0,) * (-(-t // 64)))
+  return y[:, :, 0], fmt.quantize_reference(y[:, :, 1], y[:, :, 2], meta)
+
+
+# Sizes chosen so that one head-sized bf16 (T, H, D) tensor, the threshold, is larger
+# than x, W, the RoPE tables and the interpreter's padded per-program blocks.
+MEM = dict(b=1, t=512, hidden=64, head_dim=64, rot_dim=32)
+
+
+def _mem_case(heads):
+  x, w, b, kw = _abstract(MEM["b"], MEM["t"], MEM["hidden"], heads, MEM["head_dim"],
+                          MEM["rot_dim"], bias=False)
+  q_bytes = MEM["b"] * MEM["t"] * heads * MEM["head_dim"] * 2
+  q_types = {"bf16[%d,%d,%d,%d]" % (MEM["b"], MEM["t"], heads, MEM["head_dim"]),
+             "%dx%dx%dx%dxbf16" % (MEM["b"], MEM["t"], heads, MEM["head_dim"])}
+  return x, w, kw, q_bytes, q_types
+
+
+def test_no_full_qkv_in_gpu_program():
+  """The program XLA gets on the GPU (lowered for cuda, on CPU): no tensor as large as
+  a bf16 K, except Q. The anti-pattern fails the same check."""
+  x, w, kw, q_bytes, q_types = _mem_case(8)
+  text = streamed_qkv.trace(x, w, **kw, interpret=False).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert big_buffers(stablehlo_tensors(text), q_bytes, q_types) == []
+  bad = jax.jit(anti_pattern, static_argnames=("heads", "head_dim", "rot_dim")).trace(
+      x, w, **kw).lower(lowering_platforms=("cuda",)).as_text()
+  assert big_buffers(stablehlo_tensors(bad), q_bytes, q_types) != []
+
+
+def test_no_full_qkv_in_compiled_interpret():
+  """Compiled (interpret mode, XLA:CPU): no buffer as large as a bf16 K except Q, and
+  temp memory grows per head by about one Q slice (the interpreter's NaN-filled Q),
+  not by a full K, V or QKV. The anti-pattern fails both checks."""
+  compiled, temps = {}, {}
+  for heads in (8, 16):
+    x, w, kw, q_bytes, q_types = _mem_case(heads)
+    for name, fn in (("kernel", streamed_qkv),
+                     ("anti", jax.jit(anti_pattern, static_argnames=("heads", "head_dim",
+                                                                     "rot_dim")))):
+      c = fn.trace(x, w, **kw).lower().compile()
+      compiled[name, heads] = (c, q_bytes, q_types)
+      temps[name, heads] = c.memory_analysis().temp_size_in_bytes
+  c, q_bytes, q_types = compiled["kernel", 16]
+  assert big_buffers(hlo_buffers(c.as_text()), q_bytes, q_types) == []
+  c, q_bytes, q_types = compiled["anti", 16]
+  assert big_buffers(hlo_buffers(c.as_text()), q_bytes, q_types) != []
+  dq = compiled["kernel", 16][1] - compiled["kernel", 8][1]
+  assert temps["kernel", 16] - temps["kernel", 8] < 1.5 * dq, temps
+  assert temps["anti", 16] - temps["anti", 8] > 3 * dq, temps
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (Triton, not interpreted)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,rot_dim,k_scheme,v_scheme,tuning", [
+    (128, 96, "channel", "token", {}),
+    (128, 96, "channel", "token", dict(full_width_gemm=True, num_warps=8, block_h=128,
+                                       num_stages=2)),
+    (64, 48, "token", "token_g64", dict(block_q=64)),
+    (128, 96, "channel", "token", dict(q_heads_per_program=2, kv_blocks_per_program=2)),
+    (64, 48, "token", "token_g64", dict(q_heads_per_program=4, kv_blocks_per_program=2,
+                                        full_width_gemm=False, num_warps=(4, 8))),
+])
+def test_gpu_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, tuning):
+  t = 1000
+  x, w, b, kw = make_inputs(b=2, t=t, hidden=512, heads=4, head_dim=head_dim, rot_dim=rot_dim,
+                            seed=5)
+  classes = fmt.resolve_block_classes(t, [(0, 100, "bf16"), (300, 420, "int8")])
+  meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, **tuning)
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  # On the GPU, temp memory holds no K/V-sized buffer at all.
+  compiled = streamed_qkv.trace(x, w, b, **kw, **meta_kw, interpret=False,
+                                **tuning).lower().compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < x.shape[0] * t * 4 * head_dim * 2, temp

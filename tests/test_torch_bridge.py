@@ -1,0 +1,438 @@
+"""PyTorch bridge: zero-copy hand-offs, custom ops, torch.compile, the H3 module.
+
+CPU tests run the kernels in interpret mode on small shapes (hidden 128, H=2, D=64,
+T=150 ragged: two full blocks and a 22-token tail). ``@pytest.mark.gpu`` tests run on
+the device machine (``pytest -m gpu tests/test_torch_bridge.py``) and add what only a
+GPU can show: CUDA pointers, stream ordering and the allocator policy.
+
+Each JAX configuration compiles once per process (interpret mode makes that the
+expensive part), so the tests share a few configurations through module fixtures.
+"""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import torch_bridge as tb  # first: sets the allocator policy before JAX starts a GPU
+import formats
+from benchmarks.quality import dit_grid, quality
+from pallas_kernels import attention as jattn
+from pallas_kernels import streamed_qkv as jqkv
+from pallas_kernels.rope import rope_3d_angles, rope_tables
+from torch_bridge import allocator, dlpack, ops
+
+B, T, HIDDEN, H, D = 1, 150, 128, 2, 64
+ROT = 48  # 3/4 of the head dim, as H3's 96 of 128
+MIXED = (0, 1, 2)  # one block of each class: every buffer of the format is non-empty
+ALL_BF16 = (2, 2, 2)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rope(t, d, rot, device="cpu"):
+  cos, sin = rope_tables(rope_3d_angles(dit_grid(t, 20), freqs_per_axis=rot // 6), d)
+  # torch.tensor (not from_numpy): numpy memory is often only 16-byte aligned, which
+  # JAX's CPU client would copy, so the bridge rejects it.
+  return torch.tensor(cos, device=device), torch.tensor(sin, device=device)
+
+
+def _modules(hidden, heads, head_dim, device="cpu", seed=0):
+  torch.manual_seed(seed)
+  ref = tb.ReferenceH3Attention(hidden, heads, head_dim, device=device)
+  with torch.no_grad():
+    ref.q_norm.weight.copy_(1 + 0.2 * torch.randn(head_dim))
+    ref.k_norm.weight.copy_(1 + 0.2 * torch.randn(head_dim))
+  packed = tb.PackedH3Attention(hidden, heads, head_dim, device=device)
+  packed.load_state_dict(ref.state_dict())
+  return ref.eval().requires_grad_(False), packed.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  ref, mod = _modules(HIDDEN, H, D)
+  cos, sin = _rope(T, D, ROT)
+  x = torch.randn(B, T, HIDDEN, dtype=torch.bfloat16)
+  kw = dict(q_norm_weight=mod.q_norm.weight, k_norm_weight=mod.k_norm.weight, rope_cos=cos,
+            rope_sin=sin, rot_dim=ROT, heads=H, head_dim=D)
+  return dict(ref=ref, mod=mod, x=x, w=mod.qkv_proj.weight_t, cos=cos, sin=sin, kw=kw)
+
+
+def _jax_kwargs(kw):
+  return {k: (dlpack.to_jax(v, k) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+
+
+@pytest.fixture(scope="module")
+def mixed(setup):
+  """Projection and attention through the bridge and through JAX, classes MIXED."""
+  s = setup
+  q, packed = tb.streamed_qkv(s["x"], s["w"], block_classes=MIXED, **s["kw"])
+  jq, jpacked = jqkv.streamed_qkv(dlpack.to_jax(s["x"], "x"), dlpack.to_jax(s["w"], "w"),
+                                  block_classes=MIXED, **_jax_kwargs(s["kw"]))
+  o = tb.packed_attention(q, packed)
+  jo = jattn.packed_attention(jq, jpacked)
+  return dict(q=q, packed=packed, jq=jq, jpacked=jpacked, o=o, jo=jo)
+
+
+# --------------------------------------------------------------------------------------
+# Parity: bridge == JAX kernels ~ JAX references ~ plain torch BF16
+# --------------------------------------------------------------------------------------
+def test_streamed_qkv_bridge_equals_jax_kernel(setup, mixed):
+  assert torch.equal(mixed["q"], torch.from_dlpack(mixed["jq"]))
+  for name in formats.ARRAY_NAMES:
+    got, want = mixed["packed"].tensors[name], torch.from_dlpack(mixed["jpacked"].arrays[name])
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    assert torch.equal(got, want), name
+  # ... and the kernel agrees with the float32 reference (codes may differ by one step
+  # at rounding boundaries, so compare dequantized values).
+  s = setup
+  rq, rpacked = jqkv.streamed_qkv_reference(dlpack.to_jax(s["x"], "x"), dlpack.to_jax(s["w"], "w"),
+                                            block_classes=MIXED, **_jax_kwargs(s["kw"]))
+  assert quality(mixed["q"].float().numpy(), np.asarray(rq, np.float32))["rel_l2"] < 1e-2
+  k, v = formats.dequantize_reference(mixed["packed"].to_jax())
+  rk, rv = formats.dequantize_reference(rpacked)
+  assert quality(k, rk)["rel_l2"] < 2e-2 and quality(v, rv)["rel_l2"] < 2e-2
+
+
+def test_packed_attention_bridge_equals_jax_kernel(mixed):
+  assert torch.equal(mixed["o"], torch.from_dlpack(mixed["jo"]))
+  ref = jattn.packed_attention_reference(mixed["jq"], mixed["jpacked"])
+  assert quality(mixed["o"].float().numpy(), ref)["rel_l2"] < 1e-2
+
+
+def test_module_matches_plain_torch_bf16_blocks(setup):
+  """All blocks bf16: only bf16 rounding separates our module from the plain one.
+  Ragged T with two packed segments (cu_seqlens [0, 70, 150])."""
+  s = setup
+  seg = tb.segment_ids_from_cu_seqlens(torch.tensor([0, 70, T], dtype=torch.int32), T)
+  want = s["ref"](s["x"], s["cos"], s["sin"], segment_ids=seg)
+  got = s["mod"](s["x"], s["cos"], s["sin"], segment_ids=seg, block_classes=ALL_BF16)
+  qual = quality(got.float().numpy(), want.float().numpy())
+  assert qual["cos"] > 0.9995 and qual["rel_l2"] < 0.02, qual
+
+
+def test_module_int4_default_and_compile_fullgraph(setup):
+  """Default int4 blocks with a key padding mask, eager and torch.compile(fullgraph)."""
+  s = setup
+  kv_mask = torch.ones(B, T, dtype=torch.bool)
+  kv_mask[:, -10:] = False
+  want = s["ref"](s["x"], s["cos"], s["sin"], kv_mask=kv_mask)
+  got = s["mod"](s["x"], s["cos"], s["sin"], kv_mask=kv_mask)
+  qual = quality(got.float().numpy(), want.float().numpy())
+  assert qual["cos"] > 0.99, qual  # int4 K/V of random data; quality is the kernels' topic
+  compiled = torch.compile(s["mod"], fullgraph=True, backend="aot_eager")
+  assert torch.equal(compiled(s["x"], s["cos"], s["sin"], kv_mask=kv_mask), got)
+
+
+def test_sol_attention_bridge_equals_jax_kernel_and_compiles(mixed):
+  """Sol through the bridge (eager and torch.compile(fullgraph)) == Sol in JAX."""
+  from pallas_kernels import sol_attention as jsol
+  key_bias = torch.ones(B, T, dtype=torch.bool)
+  key_bias[:, 5:9] = False
+  opts = dict(tau=0.5, sink_blocks=(0, 1), topk_ratio=0.0, tail=True)
+  o = tb.sol_attention(mixed["q"], mixed["packed"], key_bias=key_bias, **opts)
+  jo = jsol.sol_attention(mixed["jq"], mixed["jpacked"], key_bias=dlpack.to_jax(key_bias, "kb"), **opts)
+  assert torch.equal(o, torch.from_dlpack(jo))
+  ref = jsol.sol_attention_reference(mixed["jq"], mixed["jpacked"], key_bias=jnp.asarray(key_bias.numpy()),
+                                     **opts)
+  assert quality(o.float().numpy(), ref)["rel_l2"] < 1e-2
+  meta_args = ops._attention_args(mixed["packed"])
+
+  def fn(q, kb, *packed):
+    return torch.ops.packed_kv.sol_attention(q, list(packed), *meta_args[1:], 0.5, None, [0, 1], None,
+                                             kb, 0.0, True, None, None, False, None)
+  compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+  assert torch.equal(compiled(mixed["q"], key_bias, *mixed["packed"].as_tuple()), o)
+  with pytest.raises(tb.BridgeError, match=r"Sol attention is self-attention"):
+    tb.sol_attention(mixed["q"][:, :100].contiguous(), mixed["packed"])
+
+
+def test_segment_ids_match_jax():
+  cu = [0, 40, 40, 97, 120]
+  got = tb.segment_ids_from_cu_seqlens(torch.tensor(cu), 150)
+  want = jattn.segment_ids_from_cu_seqlens(jnp.asarray(cu), 150)
+  np.testing.assert_array_equal(got.numpy(), np.asarray(want))
+
+
+# --------------------------------------------------------------------------------------
+# Zero copy
+# --------------------------------------------------------------------------------------
+def test_zero_copy_both_directions(setup, mixed, monkeypatch):
+  """Every input JAX sees is the torch tensor's memory; every output torch gets is
+  the JAX buffer's memory (pointer equality, recorded at the hand-off)."""
+  seen_in, seen_out = [], []
+  to_jax, to_torch = dlpack.to_jax, dlpack.to_torch
+
+  def rec_in(t, name):
+    a = to_jax(t, name)
+    if a is not None and t.numel():
+      seen_in.append((name, t.data_ptr(), a.unsafe_buffer_pointer()))
+    return a
+
+  def rec_out(a, name):
+    t = to_torch(a, name)
+    seen_out.append((name, a.unsafe_buffer_pointer(), t))
+    return t
+
+  monkeypatch.setattr(dlpack, "to_jax", rec_in)
+  monkeypatch.setattr(dlpack, "to_torch", rec_out)
+  s = setup
+  q, packed = tb.streamed_qkv(s["x"], s["w"], block_classes=MIXED, **s["kw"])
+  o = tb.packed_attention(q, packed)
+  assert {n for n, *_ in seen_in} >= {"x", "w_qkv", "q", *(f"packed.{n}" for n in formats.ARRAY_NAMES)}
+  assert all(tp == jp for _, tp, jp in seen_in), seen_in
+  outs = [q, *packed.as_tuple(), o]
+  assert len(seen_out) == len(outs)
+  for (name, jp, t), got in zip(seen_out, outs):
+    assert got is t and got.data_ptr() == jp, name
+  # The attention read the projection's own buffers: no copy in between.
+  assert {p for n, p, _ in seen_in if n.startswith("packed.")} == {t.data_ptr() for t in packed.as_tuple()}
+
+
+def test_torch_packed_kv_mirror(mixed):
+  packed = mixed["packed"]
+  packed.check()
+  back = packed.to_jax()
+  for name in formats.ARRAY_NAMES:
+    assert dlpack.share_memory(packed.tensors[name], back.arrays[name]), name
+  again = tb.TorchPackedKV.from_jax(back)
+  assert all(again.tensors[n].data_ptr() == packed.tensors[n].data_ptr() for n in formats.ARRAY_NAMES)
+  assert packed.nbytes() == back.nbytes()
+  # Metadata: one JSON record readable from torch, numpy and jax.
+  mt = packed.meta_tensor()
+  assert mt.dtype == torch.uint8 and mt.dim() == 1
+  assert tb.meta_from_tensor(mt) == packed.meta
+  assert tb.meta_from_tensor(mt.numpy()) == packed.meta
+  assert tb.meta_from_tensor(jax.dlpack.from_dlpack(mt)) == packed.meta
+  assert tb.meta_from_json(tb.meta_to_json(packed.meta)) == packed.meta
+  restored = tb.TorchPackedKV.from_state_dict(packed.state_dict())
+  assert restored.meta == packed.meta and restored.tensors["k_codes4"] is packed.tensors["k_codes4"]
+
+
+# --------------------------------------------------------------------------------------
+# register_fake / state_dict
+# --------------------------------------------------------------------------------------
+def test_fake_impls_match_real_outputs(setup, mixed):
+  from torch._subclasses.fake_tensor import FakeTensorMode
+  s = setup
+  with FakeTensorMode() as mode:
+    fx, fw = mode.from_tensor(s["x"]), mode.from_tensor(s["w"])
+    fkw = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in s["kw"].items()}
+    fq, fpacked = tb.streamed_qkv(fx, fw, block_classes=MIXED, **fkw)
+    fo = tb.packed_attention(fq, fpacked)
+  real = [mixed["q"], *mixed["packed"].as_tuple(), mixed["o"]]
+  fake = [fq, *fpacked.as_tuple(), fo]
+  for r, f in zip(real, fake):
+    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+def test_opcheck(setup, mixed):
+  """torch.library.opcheck: schema (no hidden aliasing or mutation), fake vs real,
+  and AOT dispatch, on the already-compiled MIXED configuration."""
+  s = setup
+  kw = s["kw"]
+  qkv_args = (s["x"], s["w"], None, kw["q_norm_weight"], kw["k_norm_weight"], kw["rope_cos"],
+              kw["rope_sin"], ROT, H, D, list(MIXED), "channel", "token", 0, 1, 1e-5, None)
+  utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+  torch.library.opcheck(torch.ops.packed_kv.streamed_qkv, qkv_args, test_utils=utils)
+  attn_args = (mixed["q"], *ops._attention_args(mixed["packed"]), None, None, None, None, False, None)
+  torch.library.opcheck(torch.ops.packed_kv.packed_attention, attn_args, test_utils=utils)
+
+
+def test_state_dict_matches_plain_module(setup):
+  ref, mod = setup["ref"], setup["mod"]
+  rs, ms = ref.state_dict(), mod.state_dict()
+  assert rs.keys() == ms.keys()
+  for k in rs:
+    assert rs[k].shape == ms[k].shape, k
+    assert torch.equal(rs[k].float(), ms[k].float()), k
+  assert mod.qkv_proj.weight_t.is_contiguous()  # the kernel's (hidden, 3HD) layout
+  fresh = tb.ReferenceH3Attention(HIDDEN, H, D)
+  fresh.load_state_dict(ms)  # and back
+  assert torch.equal(fresh.qkv_proj.weight, ref.qkv_proj.weight)
+
+
+# --------------------------------------------------------------------------------------
+# Bad inputs fail clearly, before any kernel runs
+# --------------------------------------------------------------------------------------
+def _call_qkv(s, **over):
+  args = dict(x=s["x"], w_qkv=s["w"], **s["kw"]) | over
+  return tb.streamed_qkv(args.pop("x"), args.pop("w_qkv"), **args)
+
+
+def test_bad_projection_inputs(setup):
+  s = setup
+  with pytest.raises(tb.BridgeError, match=r"x .* must be torch.bfloat16.*\.to\("):
+    _call_qkv(s, x=s["x"].float())
+  with pytest.raises(tb.BridgeError, match=r"w_qkv .* not C-contiguous.*\.contiguous\(\)"):
+    _call_qkv(s, w_qkv=s["w"].t().contiguous().t())
+  big = torch.zeros(B * T * HIDDEN + 8, dtype=torch.bfloat16)
+  shifted = big[8:].view(B, T, HIDDEN)  # contiguous, 16 bytes off a 64-byte boundary
+  with pytest.raises(tb.BridgeError, match=r"x .* not 64-byte aligned.*\.clone\(\)"):
+    _call_qkv(s, x=shifted)
+  with pytest.raises(tb.BridgeError, match=r"rope_cos .* must have shape \[150, 64\]"):
+    _call_qkv(s, rope_cos=s["cos"][:100])
+  with pytest.raises(tb.BridgeError, match=r"q_norm_weight .* must be torch.float32"):
+    _call_qkv(s, q_norm_weight=s["kw"]["q_norm_weight"].bfloat16())
+  with pytest.raises(tb.BridgeError, match=r"block_classes has 2 entries, need 3"):
+    _call_qkv(s, block_classes=(0, 0))
+  with pytest.raises(tb.BridgeError,
+                     match=r"rope_sin .* is on meta but the other inputs are on cpu; move it with \.to\('cpu'\)"):
+    _call_qkv(s, rope_sin=torch.empty(T, D, device="meta"))
+
+
+def test_cpu_tensors_refused_when_kernels_run_on_gpu(setup, monkeypatch):
+  monkeypatch.setattr(dlpack.backend, "on_gpu", lambda: True)
+  with pytest.raises(tb.BridgeError, match=r"on the CPU but the kernels run on JAX's GPU.*\.cuda\(\)"):
+    _call_qkv(setup)
+
+
+def test_bad_attention_inputs(mixed):
+  q, packed = mixed["q"], mixed["packed"]
+  args = ops._attention_args(packed)
+  call = lambda *a, **k: torch.ops.packed_kv.packed_attention(*a, **({"sm_scale": None,
+      "q_segment_ids": None, "kv_segment_ids": None, "kv_mask": None, "keep_rotated": False,
+      "interpret": None} | k))
+  with pytest.raises(tb.BridgeError, match=r"packed must hold 16 tensors"):
+    call(q, args[0][:-1], *args[1:])
+  bad = list(args[0])
+  bad[0] = bad[0].to(torch.int8)
+  with pytest.raises(tb.BridgeError, match=r"packed.k_codes4 .* must be torch.uint8"):
+    call(q, bad, *args[1:])
+  with pytest.raises(tb.BridgeError, match=r"q .* must be torch.bfloat16"):
+    call(q.float(), *args)
+  with pytest.raises(tb.BridgeError, match=r"q .* not C-contiguous"):
+    call(q.transpose(1, 2).contiguous().transpose(1, 2), *args)
+  seg = torch.zeros(T, dtype=torch.int64)
+  with pytest.raises(tb.BridgeError, match=r"q_segment_ids .* must be torch.int32"):
+    call(q, *args, q_segment_ids=seg, kv_segment_ids=seg)
+  with pytest.raises(tb.BridgeError, match=r"kv_mask .* must be torch.bool"):
+    call(q, *args, kv_mask=torch.ones(B, T, dtype=torch.uint8))
+  with pytest.raises(tb.BridgeError, match=r"TorchPackedKV"):
+    tb.packed_attention(q, packed.as_tuple())
+
+
+# --------------------------------------------------------------------------------------
+# Allocator policy
+# --------------------------------------------------------------------------------------
+def test_import_turns_preallocation_off():
+  env = {k: v for k, v in os.environ.items() if k != allocator.PREALLOCATE_VAR}
+  code = "import os, torch_bridge; print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip().splitlines()[-1] == "false"
+
+
+def test_preallocated_backend_warns_or_raises(monkeypatch):
+  status = {"env": None, "preallocated": True, "pool_bytes": 1 << 30}
+  monkeypatch.setattr(allocator, "allocator_status", lambda: dict(status))
+  with pytest.warns(allocator.AllocatorWarning, match="XLA_PYTHON_CLIENT_PREALLOCATE=false"):
+    allocator.check_allocator()
+  with pytest.raises(RuntimeError, match="import torch_bridge before"):
+    allocator.check_allocator(strict=True)
+
+
+# --------------------------------------------------------------------------------------
+# GPU (device machine): pointers, streams, allocator, parity on CUDA
+# --------------------------------------------------------------------------------------
+GPU_SHAPE = dict(b=1, t=1000, hidden=256, h=2, d=128)
+
+
+@pytest.fixture(scope="module")
+def gpu_setup():
+  g = GPU_SHAPE
+  ref, mod = _modules(g["hidden"], g["h"], g["d"], device="cuda")
+  cos, sin = _rope(g["t"], g["d"], 96, device="cuda")
+  x = torch.randn(g["b"], g["t"], g["hidden"], dtype=torch.bfloat16, device="cuda")
+  kw = dict(q_norm_weight=mod.q_norm.weight, k_norm_weight=mod.k_norm.weight, rope_cos=cos,
+            rope_sin=sin, rot_dim=96, heads=g["h"], head_dim=g["d"])
+  return dict(ref=ref, mod=mod, x=x, w=mod.qkv_proj.weight_t, cos=cos, sin=sin, kw=kw)
+
+
+@pytest.mark.gpu
+def test_gpu_allocator_policy():
+  status = tb.allocator_status()
+  if status["env"] == "false":
+    assert status["preallocated"] is False, status
+  code = ("import torch_bridge as tb, jax.numpy as jnp; jnp.zeros(8).block_until_ready(); "
+          "s = tb.allocator_status(); print(s['preallocated'], s['pool_bytes'], s['bytes_limit'])")
+  env = {k: v for k, v in os.environ.items() if k != allocator.PREALLOCATE_VAR}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  pre, pool, limit = out.stdout.split()[-3:]
+  assert pre == "False", out.stdout
+  env[allocator.PREALLOCATE_VAR] = "true"
+  out = subprocess.run([sys.executable, "-W", "always", "-c", code.replace(
+      "s = tb.allocator_status()", "s = tb.check_allocator()")], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split()[-3] == "True" and "AllocatorWarning" in out.stderr, out
+
+
+@pytest.mark.gpu
+def test_gpu_zero_copy_and_parity(gpu_setup):
+  s = gpu_setup
+  q, packed = tb.streamed_qkv(s["x"], s["w"], block_classes=None, **s["kw"])
+  jx, jw = dlpack.to_jax(s["x"], "x"), dlpack.to_jax(s["w"], "w")
+  assert jx.unsafe_buffer_pointer() == s["x"].data_ptr()
+  assert jw.unsafe_buffer_pointer() == s["w"].data_ptr()
+  jq, jpacked = jqkv.streamed_qkv(jx, jw, **_jax_kwargs(s["kw"]))
+  assert torch.equal(q, torch.from_dlpack(jq))
+  back = packed.to_jax()
+  for name in formats.ARRAY_NAMES:
+    t = packed.tensors[name]
+    assert t.is_cuda
+    if t.numel():
+      assert dlpack.share_memory(t, back.arrays[name]), name
+    assert torch.equal(t, torch.from_dlpack(jpacked.arrays[name])), name
+  o = tb.packed_attention(q, packed)
+  assert torch.equal(o, torch.from_dlpack(jattn.packed_attention(jq, jpacked)))
+  want = s["ref"](s["x"], s["cos"], s["sin"])
+  got = s["mod"](s["x"], s["cos"], s["sin"], block_classes=(2,) * 16)
+  qual = quality(got.float().cpu().numpy(), want.float().cpu().numpy())
+  assert qual["cos"] > 0.9995 and qual["rel_l2"] < 0.02, qual
+  compiled = torch.compile(s["mod"], fullgraph=True, backend="aot_eager")
+  assert torch.equal(compiled(s["x"], s["cos"], s["sin"], block_classes=(2,) * 16), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_gpu_stream_ordering(gpu_setup, side_stream):
+  """Torch work queued before the op (a long sleep, then writing x) must finish before
+  JAX reads x, and torch work queued after the op must see JAX's finished output, on
+  whatever stream is current; no host synchronization in between."""
+  s = gpu_setup
+  mod = s["mod"]
+  want = mod(s["x"], s["cos"], s["sin"])
+  torch.cuda.synchronize()
+  stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+  for _ in range(3):
+    with torch.cuda.stream(stream):
+      x = torch.zeros_like(s["x"])
+      torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before x gets its value
+      x.copy_(s["x"])
+      got = mod(x, s["cos"], s["sin"]).clone()  # queued right after the op returns
+    stream.synchronize()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_devices_and_alignment(gpu_setup):
+  s = gpu_setup
+  with pytest.raises(tb.BridgeError, match=r"on the CPU but the kernels run on JAX's GPU"):
+    tb.streamed_qkv(s["x"].cpu(), s["w"].cpu(), **{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                                   for k, v in s["kw"].items()})
+  with pytest.raises(tb.BridgeError, match=r"rope_cos .* is on cpu but the other inputs are on cuda:0"):
+    tb.streamed_qkv(s["x"], s["w"], **(s["kw"] | {"rope_cos": s["cos"].cpu()}))
+  big = torch.zeros(s["x"].numel() + 16, dtype=torch.bfloat16, device="cuda")
+  shifted = big[8:8 + s["x"].numel()].view_as(s["x"])  # 16 bytes off
+  with pytest.raises(tb.BridgeError, match=r"not 32-byte aligned"):
+    tb.streamed_qkv(shifted, s["w"], **s["kw"])
+  # 32 bytes off is enough on CUDA: JAX shares it (to_jax raises if JAX copied).
+  ok = big[16:16 + s["x"].numel()].view_as(s["x"])
+  assert dlpack.to_jax(ok, "x").unsafe_buffer_pointer() == ok.data_ptr()
