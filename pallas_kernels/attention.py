@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import dot, resolve_interpret
+from pallas_kernels.backend import dot, resolve_interpret, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -370,21 +370,7 @@ def _kernel(*refs, names, cfg: _Config):
   o_lo = (o_lo + z[0][:, None]) * inv[:, None]
   o_hi = (o_hi + z[-1][:, None]) * inv[:, None]
   if not cfg.keep_rotated:
-    ht = r["ht"]
-
-    def split(x):  # x == a + b to ~16 bits, so the +-1 dots are near-exact
-      a = x.astype(jnp.bfloat16)
-      return a, (x - a.astype(jnp.float32)).astype(jnp.bfloat16)
-
-    a_lo, b_lo = split(o_lo)
-    a_hi, b_hi = split(o_hi)
-
-    def out_half(cols):
-      h_top, h_bot = ht[lo, cols], ht[hi, cols]
-      acc = dot(b_lo, h_top) + dot(b_hi, h_bot)
-      return (acc + dot(a_lo, h_top) + dot(a_hi, h_bot)) * (1.0 / math.sqrt(d))
-
-    o_lo, o_hi = out_half(lo), out_half(hi)
+    o_lo, o_hi = unrotate_halves(o_lo, o_hi, r["ht"], lo, hi, d)
   plgpu.store(o_ref.at[q_tile, lo], o_lo.astype(o_ref.dtype), mask=row_mask)
   plgpu.store(o_ref.at[q_tile, hi], o_hi.astype(o_ref.dtype), mask=row_mask)
 

@@ -1,7 +1,12 @@
-"""Where kernels run: the Triton backend on a GPU, interpret mode anywhere else."""
+"""Where kernels run (the Triton backend on a GPU, interpret mode anywhere else), and
+the few in-kernel helpers every kernel shares: matrix products, the bf16 split, and
+multiplication by the Hadamard rotation."""
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 
 
 def on_gpu() -> bool:
@@ -21,3 +26,31 @@ def dot(a, b, trans_b: bool = False):
   """
   return jax.lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())),
                              preferred_element_type=jax.numpy.float32)
+
+
+def split_bf16(x):
+  """f32 -> (a, b) bf16 terms with a + b == x to about 16 significant bits.
+
+  Two bf16 dots against an exact +-1 matrix then give an f32-accurate product with no
+  f32 dot (Triton would run that on TF32 or, with full precision, off the tensor cores).
+  """
+  a = x.astype(jnp.bfloat16)
+  return a, (x - a.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def sign_dot(parts, m):
+  """sum(parts) @ m for a {-1, 0, 1} bf16 matrix m, in f32."""
+  return dot(parts[0], m) + dot(parts[1], m)
+
+
+def unrotate_halves(o_lo, o_hi, ht_ref, lo, hi, head_dim):
+  """(o_lo | o_hi) @ ht / sqrt(D) for the +-1 matrix ``ht_ref`` (D, D) in bf16.
+
+  Works on the two channel halves because Triton cannot slice a loaded value; ``lo``
+  and ``hi`` index the halves of ``ht_ref``.
+  """
+  parts_lo, parts_hi = split_bf16(o_lo), split_bf16(o_hi)
+
+  def out_half(cols):
+    return (sign_dot(parts_lo, ht_ref[lo, cols]) + sign_dot(parts_hi, ht_ref[hi, cols])) * (1.0 / math.sqrt(head_dim))
+  return out_half(lo), out_half(hi)

@@ -120,7 +120,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot as _dot
-from pallas_kernels.backend import resolve_interpret
+from pallas_kernels.backend import resolve_interpret, split_bf16, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -709,8 +709,7 @@ def _kernel(*refs, names, cfg: _KConfig):
 
       def pv_half(chans):
         vs = plgpu.load(r["vs"].at[tiles, chans], mask=tmask, other=0.0)
-        a = vs.astype(jnp.bfloat16)  # vs == a + b to ~16 bits: one more dot, no f32 dot
-        b = (vs - a.astype(jnp.float32)).astype(jnp.bfloat16)
+        a, b = split_bf16(vs)  # one more dot, no f32 dot
         return _dot(pb, a) + _dot(pb, b)
       o_lo = o_lo * alpha[:, None] + pv_half(lo)
       o_hi = o_hi * alpha[:, None] + pv_half(hi)
@@ -723,21 +722,7 @@ def _kernel(*refs, names, cfg: _KConfig):
   o_lo = o_lo * inv[:, None]
   o_hi = o_hi * inv[:, None]
   if not cfg.keep_rotated:
-    ht = r["ht"]
-
-    def split(x):  # x == a + b to ~16 bits, so the +-1 dots are near-exact
-      a = x.astype(jnp.bfloat16)
-      return a, (x - a.astype(jnp.float32)).astype(jnp.bfloat16)
-
-    a_lo, b_lo = split(o_lo)
-    a_hi, b_hi = split(o_hi)
-
-    def out_half(cols):
-      h_top, h_bot = ht[lo, cols], ht[hi, cols]
-      acc = _dot(b_lo, h_top) + _dot(b_hi, h_bot)
-      return (acc + _dot(a_lo, h_top) + _dot(a_hi, h_bot)) * (1.0 / math.sqrt(d))
-
-    o_lo, o_hi = out_half(lo), out_half(hi)
+    o_lo, o_hi = unrotate_halves(o_lo, o_hi, r["ht"], lo, hi, d)
   plgpu.store(o_ref.at[q_tile, lo], o_lo.astype(o_ref.dtype), mask=row_mask)
   plgpu.store(o_ref.at[q_tile, hi], o_hi.astype(o_ref.dtype), mask=row_mask)
 

@@ -58,6 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels import backend, rope
+from pallas_kernels.backend import dot, sign_dot, split_bf16
 
 __all__ = ["streamed_qkv", "streamed_qkv_reference", "reference_rotated_qkv"]
 
@@ -160,21 +161,6 @@ def streamed_qkv_reference(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight,
 # --------------------------------------------------------------------------------------
 # In-kernel building blocks (operate on loaded values; never slice them)
 # --------------------------------------------------------------------------------------
-def _dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=jnp.float32)
-
-
-def _split_bf16(y):
-  """f32 -> (hi, lo) BF16 terms with hi + lo = y to 16 significant bits."""
-  hi = y.astype(jnp.bfloat16)
-  return hi, (y - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-
-
-def _sign_dot(parts, m):
-  """sum(parts) @ m for a {-1, 0, 1} BF16 matrix m, in f32."""
-  return _dot(parts[0], m) + _dot(parts[1], m)
-
-
 def _gemm_halves(x_ref, w_refs, row0s, rows, valids, hidden, bh, dh, full_width, heads=1):
   """x[row0:row0+rows] @ w for each row0 in row0s and each w_ref (hidden, heads*D).
 
@@ -206,7 +192,7 @@ def _gemm_halves(x_ref, w_refs, row0s, rows, valids, hidden, bh, dh, full_width,
       for j in range(n_acc):
         wt = plgpu.load(w_ref.at[pl.ds(k0, bh), pl.ds(j * width, width)], **wkw)
         for r, xt in enumerate(xts):
-          new[r][w][j] = new[r][w][j] + _dot(xt, wt)
+          new[r][w][j] = new[r][w][j] + dot(xt, wt)
     return new
 
   accs = jax.lax.fori_loop(0, pl.cdiv(hidden, bh), body, accs)
@@ -239,7 +225,7 @@ def _norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, rows, valid, *, dh
   tab = lambda ref, c0: plgpu.load(ref.at[pl.ds(row0, rows), pl.ds(c0, dh)], mask=m, other=0.0)
   # rope = y * cos + (y @ P) * sin, with y @ P by quadrant (all-zero quadrants are
   # skipped at trace time). Ordered so that few full tiles are live at once.
-  parts = {"lo": _split_bf16(lo), "hi": _split_bf16(hi)}
+  parts = {"lo": split_bf16(lo), "hi": split_bf16(hi)}
   out = {"lo": lo * tab(cos_ref, 0), "hi": hi * tab(cos_ref, dh)}
   for dst, c0 in (("lo", 0), ("hi", dh)):
     partner = None
@@ -247,7 +233,7 @@ def _norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, rows, valid, *, dh
       if d != dst:
         continue
       quad = plgpu.load(p_ref.at[pl.ds(0 if src == "lo" else dh, dh), pl.ds(c0, dh)])
-      term = _sign_dot(parts[src], quad)
+      term = sign_dot(parts[src], quad)
       partner = term if partner is None else partner + term
     if partner is not None:
       out[dst] = out[dst] + partner * tab(sin_ref, c0)
@@ -260,8 +246,8 @@ def _rotate(lo, hi, h_ref, sign_ref, *, dh):
   u_lo, u_hi = lo * s_lo, hi * s_hi
   h_half = plgpu.load(h_ref)
   scale = 1.0 / math.sqrt(2 * dh)
-  return (_sign_dot(_split_bf16(u_lo + u_hi), h_half) * scale,
-          _sign_dot(_split_bf16(u_lo - u_hi), h_half) * scale)
+  return (sign_dot(split_bf16(u_lo + u_hi), h_half) * scale,
+          sign_dot(split_bf16(u_lo - u_hi), h_half) * scale)
 
 
 def _add_bias(lo, hi, b_ref, dh, off=0):
