@@ -239,6 +239,26 @@ def check_packed(packed: PackedKV) -> None:
       raise ValueError(f"PackedKV.{name} must be {dtype}{list(shape)}, got {a.dtype}{list(a.shape)}")
 
 
+def check_query(q, packed: "PackedKV") -> PackedKVMeta:
+  """Check ``packed`` and that ``q`` is a rotated bf16 (B, Tq, H, D) query for it."""
+  if not isinstance(packed, PackedKV):
+    raise ValueError(f"packed must be a formats.PackedKV, got {type(packed).__name__}")
+  check_packed(packed)
+  meta = packed.meta
+  if not hasattr(q, "shape") or q.ndim != 4:
+    raise ValueError(f"q must be (B, Tq, H, D), got shape {getattr(q, 'shape', None)}")
+  if q.dtype != jnp.bfloat16:
+    raise ValueError(f"q must be bfloat16 (already rotated by R_k), got {q.dtype}")
+  b, tq, h, d = q.shape
+  if d != meta.head_dim:
+    raise ValueError(f"q head_dim {d} does not match packed head_dim {meta.head_dim}")
+  if b != meta.batch or h != meta.heads:
+    raise ValueError(f"q (B, H) = {(b, h)} does not match packed (B, H) = {(meta.batch, meta.heads)}")
+  if tq <= 0:
+    raise ValueError("q has no tokens")
+  return meta
+
+
 # --------------------------------------------------------------------------------------
 # Shared helpers (used by kernels and references alike)
 # --------------------------------------------------------------------------------------

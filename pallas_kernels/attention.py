@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import dot, resolve_interpret, unrotate_halves
+from pallas_kernels.backend import dot, resolve_interpret, resolve_sm_scale, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -109,21 +109,8 @@ def _as_batched_ids(ids, batch: int, length: int, name: str) -> jax.Array:
 
 def _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask):
   """Check every input; return (sm_scale, q_seg, kv_seg, kv_mask) normalized."""
-  if not isinstance(packed, fmt.PackedKV):
-    raise ValueError(f"packed must be a formats.PackedKV, got {type(packed).__name__}")
-  fmt.check_packed(packed)
-  meta = packed.meta
-  if not hasattr(q, "shape") or q.ndim != 4:
-    raise ValueError(f"q must be (B, Tq, H, D), got shape {getattr(q, 'shape', None)}")
-  if q.dtype != jnp.bfloat16:
-    raise ValueError(f"q must be bfloat16 (already rotated by R_k), got {q.dtype}")
+  meta = fmt.check_query(q, packed)
   b, tq, h, d = q.shape
-  if d != meta.head_dim:
-    raise ValueError(f"q head_dim {d} does not match packed head_dim {meta.head_dim}")
-  if b != meta.batch or h != meta.heads:
-    raise ValueError(f"q (B, H) = {(b, h)} does not match packed (B, H) = {(meta.batch, meta.heads)}")
-  if tq <= 0:
-    raise ValueError("q has no tokens")
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
   if q_segment_ids is not None:
@@ -134,11 +121,7 @@ def _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask):
     if kv_mask.dtype != jnp.bool_ or kv_mask.shape != (b, meta.num_tokens):
       raise ValueError(f"kv_mask must be bool (B, Tkv) = {(b, meta.num_tokens)}, "
                        f"got {kv_mask.dtype}{list(kv_mask.shape)}")
-  if sm_scale is None:
-    sm_scale = 1.0 / math.sqrt(d)
-  sm_scale = float(sm_scale)
-  if not (math.isfinite(sm_scale) and sm_scale > 0):
-    raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+  sm_scale = resolve_sm_scale(sm_scale, d)
   return sm_scale, q_segment_ids, kv_segment_ids, kv_mask
 
 

@@ -18,6 +18,14 @@ def resolve_interpret(interpret: bool | None) -> bool:
   return (not on_gpu()) if interpret is None else bool(interpret)
 
 
+def resolve_sm_scale(sm_scale, head_dim: int) -> float:
+  """``None`` -> 1/sqrt(D); anything else must be a positive finite number."""
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  if not (math.isfinite(sm_scale) and sm_scale > 0):
+    raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+  return sm_scale
+
+
 def dot(a, b, trans_b: bool = False):
   """2D matrix product with float32 accumulation, inside any Pallas kernel.
 

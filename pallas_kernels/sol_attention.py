@@ -120,7 +120,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot as _dot
-from pallas_kernels.backend import resolve_interpret, split_bf16, unrotate_halves
+from pallas_kernels.backend import resolve_interpret, resolve_sm_scale, split_bf16, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -177,20 +177,8 @@ class _Plan:
 
 def _plan(q, packed, *, tau, sm_scale, sink_blocks, sink_q, topk_ratio, tail, max_exact) -> _Plan:
   """Validate everything static and resolve the defaults."""
-  if not isinstance(packed, fmt.PackedKV):
-    raise ValueError(f"packed must be a formats.PackedKV, got {type(packed).__name__}")
-  fmt.check_packed(packed)
-  meta = packed.meta
-  if not hasattr(q, "shape") or q.ndim != 4:
-    raise ValueError(f"q must be (B, T, H, D), got shape {getattr(q, 'shape', None)}")
-  if q.dtype != jnp.bfloat16:
-    raise ValueError(f"q must be bfloat16 (already rotated by R_k), got {q.dtype}")
-  if (q.shape[0], q.shape[2], q.shape[3]) != (meta.batch, meta.heads, meta.head_dim):
-    raise ValueError(f"q (B, H, D) = {(q.shape[0], q.shape[2], q.shape[3])} does not match packed "
-                     f"{(meta.batch, meta.heads, meta.head_dim)}")
-  sm_scale = 1.0 / math.sqrt(meta.head_dim) if sm_scale is None else float(sm_scale)
-  if not (math.isfinite(sm_scale) and sm_scale > 0):
-    raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+  meta = fmt.check_query(q, packed)
+  sm_scale = resolve_sm_scale(sm_scale, meta.head_dim)
   if q.shape[1] != meta.num_tokens:
     raise ValueError(f"Sol attention is self-attention: q has {q.shape[1]} tokens, packed K/V "
                      f"{meta.num_tokens}")
