@@ -359,8 +359,10 @@ def _kernel(*refs, names, cfg: _Config):
 
 
 def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated, interpret,
-                           block_q, num_warps, num_stages, tune=(), out=None):
-  """Build and run the pallas_call. ``out`` (optional) is aliased as the output buffer."""
+                           block_q, num_warps, num_stages, tune=(), out=None, overwrite_q=False):
+  """Build and run the pallas_call. ``out`` (optional) is aliased as the output buffer;
+  ``overwrite_q`` aliases q itself (safe: each program reads its q tile before it
+  writes the same tile of the output, and no other program touches that tile)."""
   meta = packed.meta
   b, tq, h, d = q.shape
   masked = q_seg is not None or kv_mask is not None
@@ -411,7 +413,7 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
     add("kv_seg", kv_seg, (None, meta.num_tokens), lambda i, j, k: (k, 0))
   if kv_mask is not None:
     add("kv_valid", kv_mask.astype(jnp.int32), (None, meta.num_tokens), lambda i, j, k: (k, 0))
-  aliases = {}
+  aliases = {0: 0} if overwrite_q else {}
   if out is not None:
     aliases = {len(args): 0}
     add("out_init", out, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
@@ -435,18 +437,25 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
   )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps",
-                                             "num_stages", "tune"))
-def _packed_attention_jit(q, packed, q_seg, kv_seg, kv_mask, out, *, sm_scale, keep_rotated, interpret,
-                          block_q, num_warps, num_stages, tune):
+_STATIC = ("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps", "num_stages", "tune", "overwrite_q")
+
+
+def _packed_attention_call(q, packed, q_seg, kv_seg, kv_mask, out, *, sm_scale, keep_rotated, interpret,
+                           block_q, num_warps, num_stages, tune, overwrite_q):
   return _packed_attention_impl(q, packed, sm_scale=sm_scale, q_seg=q_seg, kv_seg=kv_seg, kv_mask=kv_mask,
                                 keep_rotated=keep_rotated, interpret=interpret, block_q=block_q,
-                                num_warps=num_warps, num_stages=num_stages, tune=tune, out=out)
+                                num_warps=num_warps, num_stages=num_stages, tune=tune, out=out,
+                                overwrite_q=overwrite_q)
+
+
+_packed_attention_jit = jax.jit(_packed_attention_call, static_argnames=_STATIC)
+# q donated: at top level its buffer becomes the output instead of being copied.
+_packed_attention_jit_donate_q = jax.jit(_packed_attention_call, static_argnames=_STATIC, donate_argnums=(0,))
 
 
 def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
-                     keep_rotated=False, interpret=None, block_q=128, num_warps=None, num_stages=None,
-                     _tune=None, _out=None):
+                     keep_rotated=False, overwrite_q=False, interpret=None, block_q=128, num_warps=None,
+                     num_stages=None, _tune=None, _out=None):
   """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
 
   q: (B, Tq, H, D) bf16, already rotated by ``R_k`` (seed ``meta.rotation_seed_k``);
@@ -455,6 +464,9 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   batch): a query sees only keys of its own segment. kv_mask (B, Tkv) bool: True =
   valid key. A query row with no visible key outputs exactly 0. The output is
   un-rotated by ``R_v^T`` unless ``keep_rotated`` (then fold ``R_v^T`` into W_o).
+  overwrite_q: write the output into q's buffer (q is donated and must not be used
+  afterwards), which saves one (B, Tq, H, D) bf16 buffer of peak memory; inside a
+  larger jit, XLA reuses the buffer when q is dead after this call.
   block_q: query tile (power of two >= 16); num_warps/num_stages: Triton knobs.
   ``_tune`` (a dict of ``_Config`` code-generation variants, e.g.
   ``{"convert": "cast"}``) and ``_out`` (a buffer aliased as the output, for
@@ -469,7 +481,10 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
     raise ValueError(f"unknown _tune keys {sorted(unknown)}")
   if _out is not None and (_out.shape != q.shape or _out.dtype != jnp.bfloat16):
     raise ValueError(f"_out must be bfloat16{list(q.shape)}, got {_out.dtype}{list(_out.shape)}")
-  return _packed_attention_jit(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
-                               keep_rotated=bool(keep_rotated), interpret=resolve_interpret(interpret),
-                               block_q=int(block_q), num_warps=num_warps, num_stages=num_stages,
-                               tune=tune)
+  if overwrite_q and _out is not None:
+    raise ValueError("overwrite_q and _out both name the output buffer; pass one")
+  call = _packed_attention_jit_donate_q if overwrite_q else _packed_attention_jit
+  return call(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
+              keep_rotated=bool(keep_rotated), interpret=resolve_interpret(interpret),
+              block_q=int(block_q), num_warps=num_warps, num_stages=num_stages,
+              tune=tune, overwrite_q=bool(overwrite_q))

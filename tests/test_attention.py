@@ -167,6 +167,44 @@ def test_nan_poisoned_output_is_fully_overwritten(seed):
                                 np.asarray(packed_attention(q, packed, interpret=True, block_q=64), np.float32))
 
 
+def test_overwrite_q_writes_the_output_into_q(seed):
+  # The output takes q's buffer (donated at top level, reused inside a jit): same values
+  # as the out-of-place call, and q is gone afterwards.
+  q, packed, _ = _make(seed, tq=150, tkv=130, head_dim=64, token_ranges=((0, 10, "int8"),))
+  expected = np.asarray(packed_attention(q, packed, interpret=True, block_q=64), np.float32)
+  q_copy = jnp.array(q, copy=True)
+  out = packed_attention(q_copy, packed, interpret=True, block_q=64, overwrite_q=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+  assert q_copy.is_deleted(), "overwrite_q must donate q"
+  # Inside a jit with q an intermediate (the projection's output, as in a layer).
+  # Interpret mode copies buffers anyway, so the saving itself shows only on the GPU.
+  def layer(q_in, packed, overwrite):
+    return packed_attention(q_in * 1.0, packed, interpret=True, block_q=64, overwrite_q=overwrite)
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, p: layer(a, p, True))(q, packed), np.float32),
+                                expected)
+  with pytest.raises(ValueError, match="overwrite_q and _out"):
+    packed_attention(q, packed, interpret=True, overwrite_q=True, _out=q)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(block_q=128),
+    dict(block_q=256, num_warps=16, num_stages=1, overwrite_q=True),
+    dict(block_q=64, keep_rotated=True, masked=True),
+    dict(block_q=128, _tune={"k_math": "bf16"}, masked=True),
+])
+def test_kernel_lowers_to_triton(kw):
+  """Lower for CUDA on this CPU machine: Pallas-Triton rejects what interpret mode lets
+  through (slices of loaded values, non power-of-two shapes, `other` without `mask`)."""
+  kw = dict(kw)
+  q, packed, _ = _make(0, batch=1, tq=200, tkv=200, token_ranges=((0, 70, "int8"), (130, 150, "bf16")))
+  if kw.pop("masked", False):
+    seg = segment_ids_from_cu_seqlens(np.array([0, 90, 200]), 200)
+    kw.update(q_segment_ids=seg, kv_segment_ids=seg, kv_mask=jnp.ones((1, 200), bool))
+  fn = jax.jit(lambda q, packed: packed_attention(q, packed, interpret=False, **kw))
+  text = fn.trace(q, packed).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+
+
 # --------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------
@@ -260,6 +298,7 @@ def test_gpu_kernel_matches_reference(seed, head_dim, k_scheme, v_scheme):
     _check(packed_attention(q, packed, interpret=False, block_q=block_q), ref, seed)
   poison = jnp.full(q.shape, jnp.nan, jnp.bfloat16)
   _check(packed_attention(q, packed, interpret=False, _out=poison), ref, seed)
+  _check(packed_attention(jnp.array(q, copy=True), packed, interpret=False, overwrite_q=True), ref, seed)
   seg = segment_ids_from_cu_seqlens(np.array([0, 333, 900]), t)
   kv_mask = jnp.asarray(np.random.default_rng(seed).uniform(size=(2, t)) < 0.9)
   kw = dict(q_segment_ids=seg, kv_segment_ids=seg, kv_mask=kv_mask)
