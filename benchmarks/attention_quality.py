@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import formats as fmt  # noqa: E402
 from benchmarks.quality import dit_qkv, quality  # noqa: E402
+from benchmarks.run_info import package_versions  # noqa: E402
 from pallas_kernels.attention import attention_f32, packed_attention, packed_attention_reference  # noqa: E402
 
 GOALS = {"int4": {"cos": 0.999, "rel_l1": 0.05}, "int8": {"cos": 0.9999}}
@@ -170,7 +169,7 @@ def main(argv=None):
       "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.attention_quality",
                            *(argv if argv is not None else sys.argv[1:])]),
       "shape": {"B": 1, "T": t, "H": h, "D": d, "prefix_tokens": prefix},
-      "goals": GOALS, "versions": {"jax": jax.__version__, "python": platform.python_version()},
+      "goals": GOALS, "versions": package_versions(),
       "seconds": round(time.time() - t0, 1), "results": rows,
       "remedies_simulated_int4": {n: {"per_seed": v, **_mean(v)} for n, v in remedies.items()},
   }

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import formats as fmt  # noqa: E402
 from benchmarks.quality import quality  # noqa: E402
+from benchmarks.run_info import package_versions  # noqa: E402
 from pallas_kernels.attention import packed_attention, packed_attention_reference  # noqa: E402
 
 # (block_q, num_warps, num_stages, _tune). Offline sm_90 compiles with triton 3.6
@@ -70,17 +71,7 @@ def _time(fn, warmup, repeats, sync):
 
 
 def _versions():
-  v = {"python": platform.python_version(), "jax": jax.__version__}
-  try:
-    import jaxlib
-    v["jaxlib"] = jaxlib.__version__
-  except Exception:  # noqa: BLE001
-    pass
-  for mod in ("torch", "triton"):
-    try:
-      v[mod] = __import__(mod).__version__
-    except Exception:  # noqa: BLE001
-      v[mod] = None
+  v = package_versions()
   try:
     import torch
     v["torch_cuda"] = torch.version.cuda

@@ -40,6 +40,7 @@ import formats  # noqa: E402
 from pallas_kernels import attention as jax_attn  # noqa: E402
 from pallas_kernels import backend  # noqa: E402
 from pallas_kernels import streamed_qkv as jax_qkv  # noqa: E402
+from benchmarks.run_info import package_versions  # noqa: E402
 from pallas_kernels.rope import rope_3d_angles, rope_tables  # noqa: E402
 from torch_bridge import dlpack  # noqa: E402
 
@@ -190,9 +191,7 @@ def main(argv=None):
       "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
                  else platform.processor() or "cpu"),
       "jax_device": str(dev),
-      "versions": {"python": platform.python_version(), "jax": jax.__version__,
-                   "jaxlib": getattr(__import__("jaxlib"), "__version__", None), "torch": torch.__version__,
-                   "cuda_torch": torch.version.cuda, "numpy": np.__version__},
+      "versions": package_versions() | {"cuda_torch": torch.version.cuda},
       "git_rev": _git_rev(),
       "allocator": {k: v for k, v in tb.allocator_status().items()},
       "iters": iters, "warmup": warmup, "interpret": bool(interpret),

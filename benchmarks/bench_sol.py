@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks.quality import dit_grid, quality
+from benchmarks.run_info import package_versions  # noqa: E402
 from formats import packed_kv as fmt
 from pallas_kernels import rope as rope_lib
 
@@ -128,17 +129,6 @@ def attention_tflops(tokens, heads, head_dim, seconds, fraction=1.0):
   return 4.0 * tokens * tokens * heads * head_dim * fraction / seconds / 1e12
 
 
-def versions():
-  from importlib import metadata
-  v = {"python": platform.python_version()}
-  for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "triton", "torch", "numpy"):
-    try:
-      v[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      pass
-  return v
-
-
 def device_info():
   dev = jax.devices()[0]
   return {"platform": dev.platform, "device_kind": getattr(dev, "device_kind", str(dev)),
@@ -203,7 +193,7 @@ def main(argv=None):
   sm_scale = 1.0 / math.sqrt(d)
   on_gpu = jax.default_backend() == "gpu"
   record = {"command": " ".join([sys.executable, "-m", "benchmarks.bench_sol", *(argv or sys.argv[1:])]),
-            "device": device_info(), "versions": versions(), "args": vars(args),
+            "device": device_info(), "versions": package_versions(), "args": vars(args),
             "shape": {"batch": 1, "tokens": t, "heads": h, "head_dim": d, "prefix_tokens": prefix,
                       "num_blocks": nb},
             "results": {}}

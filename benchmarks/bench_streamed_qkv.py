@@ -16,10 +16,8 @@ the BF16 GEMM's own peak memory, for contrast. The parent never touches the GPU.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -30,6 +28,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+
+from benchmarks.run_info import package_versions  # noqa: E402
 
 # Tuning variants of streamed_qkv. Shared memory per stage is (block_q + qh * D) *
 # block_h * 2 B for Q (qh = q_heads_per_program) and (64 * nb + 2 * D) * block_h * 2 B
@@ -66,13 +66,6 @@ CONFIGS = [
 ]
 
 GIB = 2.0 ** 30
-
-
-def _version(pkg):
-  try:
-    return importlib.metadata.version(pkg)
-  except importlib.metadata.PackageNotFoundError:
-    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -409,10 +402,7 @@ def main(argv=None):
   report = {
       "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
       "device": ok[0]["device"] if ok else None,
-      "versions": {"python": platform.python_version(), "jax": _version("jax"),
-                   "jaxlib": _version("jaxlib"), "triton": _version("triton"),
-                   "jax_cuda_plugin": (_version("jax-cuda13-plugin")
-                                       or _version("jax-cuda12-plugin"))},
+      "versions": package_versions(),
       "shape": {"batch": b, "tokens": t, "hidden": hid, "heads": h, "head_dim": d,
                 "rot_dim": args.rot_dim, "policy": args.policy},
       "timing": {"iters": args.iters, "warmup": args.warmup, "stat": "median wall clock"},

@@ -24,12 +24,13 @@ import time
 
 import numpy as np
 
+from benchmarks.run_info import package_versions
+
 H3_TOKENS = (38_247, 73_923, 109_599, 152_263)
 
 
 def _child(args):
   import jax
-  import jax.numpy as jnp
   from benchmarks import h3_layer
 
   shape = _shape(args)
@@ -116,18 +117,6 @@ def _device_total_bytes():
     return None
 
 
-def _versions():
-  """Package versions without importing jax here: the parent must not touch the GPU."""
-  from importlib import metadata
-  v = {"python": platform.python_version()}
-  for name in ("jax", "jaxlib", "triton", "numpy"):
-    try:
-      v[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-      pass
-  return v
-
-
 def _device_name():
   try:
     return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -193,7 +182,7 @@ def main(argv=None):
   def save():
     result = {"command": " ".join([sys.executable, "-m", "benchmarks.e2e_h3",
                                    *(argv if argv is not None else sys.argv[1:])]),
-              "device": _device_name(), "device_total_bytes": total, "versions": _versions(),
+              "device": _device_name(), "device_total_bytes": total, "versions": package_versions(),
               "records": records, "quality": {str(k): v for k, v in qualities.items()}}
     with open(out_path, "w") as f:
       json.dump(result, f, indent=1)

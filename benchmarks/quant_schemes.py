@@ -10,7 +10,6 @@ attention on the unquantized values.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform

@@ -39,6 +39,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "ARRAY_NAMES",
+    "BLOCK",
+    "CLASSES",
+    "CLASS_ID",
+    "DEFAULT_K_SCHEME",
+    "DEFAULT_V_SCHEME",
+    "FORMAT_VERSION",
+    "K_SCHEMES",
+    "LEVELS",
+    "PackedKV",
+    "PackedKVMeta",
+    "SUPPORTED_HEAD_DIMS",
+    "V_SCHEMES",
+    "asymmetric_params",
+    "block_stats_reference",
+    "buffer_specs",
+    "check_packed",
+    "check_query",
+    "dequantize_reference",
+    "hadamard_rotation",
+    "hadamard_signs",
+    "pack_nibbles",
+    "quantize_codes",
+    "quantize_reference",
+    "resolve_block_classes",
+    "scale_shape",
+    "unpack_nibbles",
+]
+
 FORMAT_VERSION = 1
 BLOCK = 64
 CLASSES = ("int4", "int8", "bf16")
