@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import dot, resolve_interpret, resolve_sm_scale, unrotate_halves
+from pallas_kernels.backend import NamedInputs, dot, resolve_interpret, resolve_sm_scale, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -375,12 +375,8 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
                 has_segments=q_seg is not None, has_kv_mask=kv_mask is not None,
                 keep_rotated=keep_rotated, **dict(tune))
 
-  names, args, specs = [], [], []
-
-  def add(name, x, block, index_map):
-    names.append(name)
-    args.append(x)
-    specs.append(pl.BlockSpec(block, index_map))
+  inputs = NamedInputs()
+  add = inputs.add
 
   per_bh = lambda i, j, k: (k, j, 0, 0)
   add("q", q, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
@@ -415,26 +411,25 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
     add("kv_valid", kv_mask.astype(jnp.int32), (None, meta.num_tokens), lambda i, j, k: (k, 0))
   aliases = {0: 0} if overwrite_q else {}
   if out is not None:
-    aliases = {len(args): 0}
+    aliases = {len(inputs.args): 0}
     add("out_init", out, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
-  names.append("out")
 
   if num_warps is None:
     num_warps = 4 if block_q <= 64 else 8
   if num_stages is None:
     num_stages = 2
-  kernel = functools.partial(_kernel, names=tuple(names), cfg=cfg)
+  kernel = functools.partial(_kernel, names=inputs.ref_names("out"), cfg=cfg)
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(tq, block_q), h, b),
-      in_specs=specs,
+      in_specs=inputs.specs,
       out_specs=pl.BlockSpec((None, tq, None, d), lambda i, j, k: (k, 0, j, 0)),
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="packed_attention",
-  )(*args)
+  )(*inputs.args)
 
 
 _STATIC = ("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps", "num_stages", "tune", "overwrite_q")

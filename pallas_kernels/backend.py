@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 def on_gpu() -> bool:
@@ -16,6 +17,22 @@ def on_gpu() -> bool:
 def resolve_interpret(interpret: bool | None) -> bool:
   """``None`` picks interpret mode unless JAX's default backend is a GPU."""
   return (not on_gpu()) if interpret is None else bool(interpret)
+
+
+class NamedInputs:
+  """The inputs of one pallas_call: arrays, their BlockSpecs, and the names the kernel
+  body looks its refs up by (``dict(zip(names, refs))``), outputs named after inputs."""
+
+  def __init__(self):
+    self.names, self.args, self.specs = [], [], []
+
+  def add(self, name, x, block, index_map):
+    self.names.append(name)
+    self.args.append(x)
+    self.specs.append(pl.BlockSpec(block, index_map))
+
+  def ref_names(self, *outputs) -> tuple:
+    return (*self.names, *outputs)
 
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:

@@ -120,7 +120,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot as _dot
-from pallas_kernels.backend import resolve_interpret, resolve_sm_scale, split_bf16, unrotate_halves
+from pallas_kernels.backend import NamedInputs, resolve_interpret, resolve_sm_scale, split_bf16, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -735,12 +735,8 @@ def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, 
                  v_scheme=meta.v_scheme, branches=branches, sink_blocks=plan.sink_blocks, sink_q=plan.sink_q,
                  tail=plan.tail, has_key_bias=key_bias is not None, has_block_len=block_len is not None,
                  keep_rotated=keep_rotated)
-  names, args, specs = [], [], []
-
-  def add(name, x, block, index_map):
-    names.append(name)
-    args.append(x)
-    specs.append(pl.BlockSpec(block, index_map))
+  inputs = NamedInputs()
+  add = inputs.add
 
   per_bh = lambda i, j, k: (k, j, 0, 0)
   shared = lambda n: (lambda i, j, k: (0,) * n)
@@ -779,18 +775,17 @@ def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, 
           continue
         for g in range(a.shape[2]):  # one 1-D ref per channel group
           add(f"{role}_{part}{sfx}_g{g}", a, (None, None, None, a.shape[3]), lambda i, j, k, g=g: (k, j, g, 0))
-  names.append("out")
-  kernel = functools.partial(_kernel, names=tuple(names), cfg=cfg)
+  kernel = functools.partial(_kernel, names=inputs.ref_names("out"), cfg=cfg)
   return pl.pallas_call(
       kernel,
       grid=(nb, h, b),
-      in_specs=specs,
+      in_specs=inputs.specs,
       out_specs=pl.BlockSpec((None, t, None, d), lambda i, j, k: (k, 0, j, 0)),
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="sol_attention",
-  )(*args)
+  )(*inputs.args)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "keep_rotated", "interpret", "num_warps", "num_stages",
