@@ -41,20 +41,20 @@ from benchmarks.quality import quality  # noqa: E402
 from benchmarks.run_info import package_versions  # noqa: E402
 from pallas_kernels.attention import packed_attention, packed_attention_reference  # noqa: E402
 
-# (block_q, num_warps, num_stages, _tune). Offline sm_90 compiles with triton 3.6
-# (same TTIR) showed block_q=128 needs 8 warps (4 spill ~1.3 KB) and
-# num_stages >= 2 spills 24 bytes; block_q=256 spills at any warp count. The lead's
-# H200 run decides; the first entry is the default of packed_attention.
+# (block_q, num_warps, num_stages, _tune); the first entry is packed_attention's
+# default. Offline sm_90 compiles with triton 3.6 showed block_q=128 needs 8 warps (4
+# spill ~1.3 KB) and block_q=256 spills at any warp count, yet 256/16/1 measured
+# fastest on the H200 (3.24 s against 3.50 s for 128/8/3 at T = 152k).
 SWEEP = [
+    (256, 16, 1, {}),
+    (128, 8, 3, {}),
     (128, 8, 2, {}),
     (128, 8, 1, {}),
-    (128, 8, 3, {}),
     (64, 4, 2, {}),
     (64, 4, 1, {}),
     (64, 8, 2, {}),
     (128, 8, 2, {"k_math": "bf16"}),
     (128, 8, 2, {"convert": "cast", "k_math": "f32", "v_exact": False}),
-    (256, 16, 1, {}),  # fewer dequant instructions per row, but 128 regs/thread: spills
 ]
 
 
@@ -106,6 +106,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--check-rows", type=int, default=256, help="query rows checked against the reference")
   ap.add_argument("--sweep", type=int, default=len(SWEEP), help="how many SWEEP entries to time")
+  ap.add_argument("--varlen-segments", type=int, default=8,
+                  help="also time a packed batch of this many equal segments (<= 1: skip)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny interpret-mode run on a CPU")
   ap.add_argument("--out", default=None,
@@ -155,6 +157,32 @@ def main(argv=None):
     results.append((name, entry))
     print(f"  {name}: {entry.get('seconds', float('nan')):.4f}s "
           f"check rel_l2={entry.get('check_vs_reference', {}).get('rel_l2', float('nan')):.2e}", flush=True)
+
+  # Packed varlen batch: N equal segments (cu_seqlens). The kernel visits only the
+  # key blocks that can meet each q tile's segments, so the ideal is the dense
+  # time / N (plus the blocks straddling segment borders).
+  if args.varlen_segments > 1:
+    from pallas_kernels.attention import segment_ids_from_cu_seqlens
+    n_seg = args.varlen_segments
+    seg = segment_ids_from_cu_seqlens(np.linspace(0, t, n_seg + 1).astype(np.int32), t)
+    name = f"packed_int4 default, {n_seg} segments (varlen)"
+    entry = {"impl": "packed_attention_int4 varlen", "segments": n_seg}
+    try:
+      kw = dict(q_segment_ids=seg, kv_segment_ids=seg, interpret=interpret)
+      out_sub = np.asarray(packed_attention(q_sub, packed, q_segment_ids=seg[rows], kv_segment_ids=seg,
+                                            interpret=interpret), np.float32)
+      entry["check_vs_reference"] = quality(out_sub, np.asarray(packed_attention_reference(
+          q_sub, packed, q_segment_ids=seg[rows], kv_segment_ids=seg)))
+      med, all_t = _time(lambda: packed_attention(q, packed, **kw), args.warmup, args.repeats, sync)
+      dense = results[0][1].get("seconds") if results else None
+      entry |= {"seconds": med, "all_seconds": all_t, "tflops": flops / n_seg / med / 1e12,
+                "dense_default_seconds": dense, "speedup_vs_dense": dense / med if dense else None}
+    except Exception as e:  # noqa: BLE001
+      entry["error"] = f"{type(e).__name__}: {e}"[:2000]
+      traceback.print_exc()
+    results.append((name, entry))
+    print(f"  {name}: {entry.get('seconds', float('nan')):.4f}s "
+          f"(x{entry.get('speedup_vs_dense') or float('nan'):.2f} vs dense)", flush=True)
 
   # jax cuDNN (or XLA on CPU) on bf16 q/k/v.
   impl = "cudnn" if on_gpu else "xla"

@@ -24,14 +24,6 @@ from pallas_kernels import rope as rope_lib
 
 VARIANTS = ("bf16", "bf16_quant", "dense", "sol")
 
-# Fastest dense-kernel tiles measured on the H200 (benchmarks/results/attention_h200.json).
-GPU_ATTENTION_TILES = dict(block_q=256, num_warps=16, num_stages=1)
-
-
-def _attention_tiles():
-  return GPU_ATTENTION_TILES if jax.default_backend() == "gpu" else {}
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
   tokens: int
@@ -135,14 +127,14 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
       rv = jnp.asarray(fmt.hadamard_rotation(shape.head_dim, 1))
       meta = fmt.PackedKVMeta(1, shape.heads, shape.head_dim, shape.tokens, shape.block_classes)
       packed = fmt.quantize_reference(k @ rk, v @ rv, meta)
-      return packed_attention((q @ rk).astype(jnp.bfloat16), packed, **_attention_tiles())
+      return packed_attention((q @ rk).astype(jnp.bfloat16), packed)
     return run
   if variant == "dense":
     def run(inp):
       from pallas_kernels.attention import packed_attention
       q, packed = packed_inputs(inp)
       # q is dead after attention, so the output can take its buffer (one Q less of peak).
-      return packed_attention(q, packed, overwrite_q=True, **_attention_tiles())
+      return packed_attention(q, packed, overwrite_q=True)
     return run
   if variant == "sol":
     def run(inp):

@@ -19,7 +19,9 @@ Kernel layout (why it looks like this)
   blocks). Masks cost nothing on full blocks without segments or a padding mask:
   only the ragged last block is masked, from static positions. With segment ids or
   a padding mask the slot's global block comes from an int32 table read in-kernel
-  (Pallas-Triton has no scalar prefetch).
+  (Pallas-Triton has no scalar prefetch), and each q tile loops only over the slots
+  whose keys can meet its segments (``slot_ranges``, computed outside in O(T)), so
+  a packed varlen batch costs the sum of its segments' squares, not T^2.
 * Code -> bf16 is a bit trick, not a conversion: ``0x4300 | c`` is the bf16 number
   ``128 + c`` (exact for c < 128); one packed bf16 subtract (exact) removes the 128.
   The nibble masks run on 16-bit lanes, two codes per instruction. int8 codes use
@@ -123,6 +125,40 @@ def _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask):
                        f"got {kv_mask.dtype}{list(kv_mask.shape)}")
   sm_scale = resolve_sm_scale(sm_scale, d)
   return sm_scale, q_segment_ids, kv_segment_ids, kv_mask
+
+
+def slot_ranges(q_seg, kv_seg, kv_mask, slots, *, batch: int, tq: int, tkv: int, block_q: int):
+  """Per (batch, q tile): the slot range ``[first, stop)`` of one class to visit.
+
+  A 64-key block can hold a key visible to a query tile only if the block's interval of
+  valid-key segment ids meets the tile's interval of segment ids. Slots are in global
+  block order, so the meeting slots lie in ``[first, stop)``; the kernel skips the rest
+  and still masks every visited key. With sorted segment ids (cu_seqlens) this turns
+  a packed batch's cost from T^2 into the sum of its segments' squares; unsorted ids
+  give a wider, still correct, range. Returns two (B, q tiles) int32 arrays.
+  """
+  big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+  if q_seg is None:  # padding mask only: one segment, masked keys belong to none
+    q_seg = jnp.zeros((batch, tq), jnp.int32)
+    kv_seg = jnp.zeros((batch, tkv), jnp.int32)
+  ok = jnp.ones((batch, tkv), bool) if kv_mask is None else kv_mask
+
+  def tile_bounds(lo_ids, hi_ids, tile):
+    n = -(-lo_ids.shape[1] // tile)
+    pad = ((0, 0), (0, n * tile - lo_ids.shape[1]))
+    lo = jnp.pad(lo_ids, pad, constant_values=big).reshape(batch, n, tile).min(-1)
+    hi = jnp.pad(hi_ids, pad, constant_values=small).reshape(batch, n, tile).max(-1)
+    return lo, hi
+
+  q_lo, q_hi = tile_bounds(q_seg, q_seg, block_q)
+  k_lo, k_hi = tile_bounds(jnp.where(ok, kv_seg, big), jnp.where(ok, kv_seg, small), BLOCK)
+  idx = jnp.asarray(slots, jnp.int32)
+  k_lo, k_hi = k_lo[:, idx], k_hi[:, idx]
+  meet = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
+  pos = jnp.arange(len(slots), dtype=jnp.int32)
+  stop = jnp.max(jnp.where(meet, pos + 1, 0), -1)
+  first = jnp.minimum(jnp.min(jnp.where(meet, pos, len(slots)), -1), stop)
+  return first.astype(jnp.int32), stop.astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------
@@ -338,9 +374,10 @@ def _kernel(*refs, names, cfg: _Config):
   masked = cfg.has_segments or cfg.has_kv_mask
   for cls, n in cfg.classes:
     if masked:
+      # Only the slots that can hold a visible key for this q tile (slot_ranges).
       table = r["slots_" + cls]
       body = lambda s, c, cls=cls, table=table: tile(cls, s, c, blk=table[s])
-      carry = lax.fori_loop(0, n, body, carry)
+      carry = lax.fori_loop(r["first_" + cls][i], r["stop_" + cls][i], body, carry)
       continue
     n_full = n - 1 if (cfg.tail is not None and cfg.tail[0] == cls) else n
     if n_full > 0:
@@ -403,7 +440,12 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
           add(f"{role}_{part}{sfx}_g{g}", a, (None, None, None, a.shape[3]),
               lambda i, j, k, g=g: (k, j, g, 0))
     if masked:
-      add("slots_" + cls, jnp.asarray(meta.slots(cls), jnp.int32), (n,), lambda i, j, k: (0,))
+      slots = meta.slots(cls)
+      add("slots_" + cls, jnp.asarray(slots, jnp.int32), (n,), lambda i, j, k: (0,))
+      first, stop = slot_ranges(q_seg, kv_seg, kv_mask, slots, batch=b, tq=tq, tkv=meta.num_tokens,
+                                block_q=block_q)
+      add("first_" + cls, first, (None, first.shape[1]), lambda i, j, k: (k, 0))
+      add("stop_" + cls, stop, (None, stop.shape[1]), lambda i, j, k: (k, 0))
   if q_seg is not None:
     add("q_seg", q_seg, (None, tq), lambda i, j, k: (k, 0))
     add("kv_seg", kv_seg, (None, meta.num_tokens), lambda i, j, k: (k, 0))
@@ -414,10 +456,12 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
     aliases = {len(inputs.args): 0}
     add("out_init", out, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
 
-  if num_warps is None:
-    num_warps = 4 if block_q <= 64 else 8
-  if num_stages is None:
-    num_stages = 2
+  # Defaults per block_q: the fastest measured on the H200 at T = 152k
+  # (results/attention_h200.json): 256 -> 16 warps, 1 stage (3.24 s); 128 -> 8 warps,
+  # 3 stages (3.50 s); 64 -> 4 warps, 2 stages (3.50 s).
+  default_warps, default_stages = {16: (4, 2), 32: (4, 2), 64: (4, 2), 128: (8, 3)}.get(block_q, (16, 1))
+  num_warps = default_warps if num_warps is None else num_warps
+  num_stages = default_stages if num_stages is None else num_stages
   kernel = functools.partial(_kernel, names=inputs.ref_names("out"), cfg=cfg)
   return pl.pallas_call(
       kernel,
@@ -449,7 +493,7 @@ _packed_attention_jit_donate_q = jax.jit(_packed_attention_call, static_argnames
 
 
 def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
-                     keep_rotated=False, overwrite_q=False, interpret=None, block_q=128, num_warps=None,
+                     keep_rotated=False, overwrite_q=False, interpret=None, block_q=256, num_warps=None,
                      num_stages=None, _tune=None, _out=None):
   """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
 
@@ -462,7 +506,8 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   overwrite_q: write the output into q's buffer (q is donated and must not be used
   afterwards), which saves one (B, Tq, H, D) bf16 buffer of peak memory; inside a
   larger jit, XLA reuses the buffer when q is dead after this call.
-  block_q: query tile (power of two >= 16); num_warps/num_stages: Triton knobs.
+  block_q: query tile (power of two >= 16); num_warps/num_stages: Triton knobs,
+  by default the fastest measured for the block_q (256: 16 warps, 1 stage).
   ``_tune`` (a dict of ``_Config`` code-generation variants, e.g.
   ``{"convert": "cast"}``) and ``_out`` (a buffer aliased as the output, for
   NaN-poisoning tests) are for tests and benchmarks.

@@ -17,7 +17,7 @@ import pytest
 import formats as fmt
 from benchmarks.quality import cosine, dit_qkv, rel_err
 from pallas_kernels.attention import (attention_f32, packed_attention, packed_attention_reference,
-                                      segment_ids_from_cu_seqlens)
+                                      segment_ids_from_cu_seqlens, slot_ranges)
 
 REL_TOL = 1e-2
 COS_TOL = 0.99995
@@ -144,6 +144,54 @@ def test_segments_mask_and_keep_rotated(seed):
     out = packed_attention(q, packed, interpret=True, block_q=64, keep_rotated=keep, **kw)
     _check(out, packed_attention_reference(q, packed, keep_rotated=keep, **kw), seed)
   assert np.all(np.asarray(out[1, :20], np.float32) == 0.0), "rows without visible keys must be exactly 0"
+
+
+def test_unsorted_segments_and_fully_masked_blocks(seed):
+  # Interleaved segment ids defeat the sorted-order skipping; whole 64-key blocks
+  # masked out are skipped. Both must still give the reference's answer.
+  q, packed, _ = _make(seed, tq=260, tkv=330, token_ranges=((0, 40, "int8"),))
+  rng = np.random.default_rng(seed)
+  q_seg = jnp.asarray(rng.integers(0, 3, size=(2, 260)), jnp.int32)
+  kv_seg = jnp.asarray(rng.integers(0, 3, size=(2, 330)), jnp.int32)
+  kv_mask = jnp.asarray(rng.uniform(size=(2, 330)) < 0.9).at[:, 64:192].set(False)
+  for kw in (dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg), dict(kv_mask=kv_mask),
+             dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, kv_mask=kv_mask)):
+    _check(packed_attention(q, packed, interpret=True, block_q=64, **kw),
+           packed_attention_reference(q, packed, **kw), seed)
+
+
+@pytest.mark.parametrize("sorted_ids", [True, False])
+def test_slot_ranges_cover_every_visible_block(seed, sorted_ids):
+  """Brute force: every slot holding a key that some query of the tile may see lies
+  in the tile's [first, stop); with sorted ids (cu_seqlens) the range is tight."""
+  rng = np.random.default_rng(seed)
+  b, tq, tkv, block_q = 2, 300, 700, 64
+  if sorted_ids:
+    cuts = np.sort(rng.choice(np.arange(1, 700), 4, replace=False))
+    kv_seg = np.stack([np.searchsorted(cuts, np.arange(tkv), side="right")] * b)
+    q_seg = kv_seg[:, :tq]
+  else:
+    q_seg = rng.integers(0, 4, size=(b, tq))
+    kv_seg = rng.integers(0, 4, size=(b, tkv))
+  # Sorted ids: whole blocks masked, so the interval test is exact and the range tight.
+  kv_mask = np.ones((b, tkv), bool) if sorted_ids else rng.uniform(size=(b, tkv)) < 0.7
+  kv_mask[:, 128:256] = False
+  blocks = -(-tkv // 64)
+  slots = tuple(int(x) for x in np.sort(rng.choice(blocks, 7, replace=False)))
+  first, stop = (np.asarray(a) for a in slot_ranges(jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32),
+                                                    jnp.asarray(kv_mask), slots, batch=b, tq=tq, tkv=tkv,
+                                                    block_q=block_q))
+  for bi in range(b):
+    for t in range(-(-tq // block_q)):
+      qs = set(q_seg[bi, t * block_q:(t + 1) * block_q].tolist())
+      needed = [s for s, g in enumerate(slots)
+                if any(kv_mask[bi, k] and kv_seg[bi, k] in qs for k in range(g * 64, min(g * 64 + 64, tkv)))]
+      assert 0 <= first[bi, t] <= stop[bi, t] <= len(slots)
+      if needed:
+        assert first[bi, t] <= min(needed) and max(needed) < stop[bi, t], (bi, t, needed)
+      if sorted_ids:
+        want = (min(needed), max(needed) + 1) if needed else (0, 0)
+        assert (first[bi, t], stop[bi, t]) == want, (bi, t, needed)
 
 
 def test_segment_ids_from_cu_seqlens():
