@@ -140,7 +140,7 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
     def run(inp):
       from pallas_kernels.sol_attention import sol_attention
       q, packed = packed_inputs(inp)
-      return sol_attention(q, packed, **(sol_kwargs or {}))
+      return sol_attention(q, packed, overwrite_q=True, **(sol_kwargs or {}))
     return run
   raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 

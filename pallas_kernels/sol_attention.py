@@ -726,7 +726,7 @@ def _block_table(meta) -> np.ndarray:
 
 
 def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, *, keep_rotated, interpret,
-              num_warps, num_stages):
+              num_warps, num_stages, overwrite_q=False):
   meta = packed.meta
   b, t, h, d = q.shape
   nb = plan.num_blocks
@@ -782,25 +782,33 @@ def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, 
       in_specs=inputs.specs,
       out_specs=pl.BlockSpec((None, t, None, d), lambda i, j, k: (k, 0, j, 0)),
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+      # Each program reads its own q tile before it writes the same output tile, and
+      # no other program touches it, so the output may take q's buffer.
+      input_output_aliases={0: 0} if overwrite_q else {},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="sol_attention",
   )(*inputs.args)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "keep_rotated", "interpret", "num_warps", "num_stages",
-                                             "chunk_bytes"))
-def _sol_jit(q, packed, routing, key_bias, block_len, *, plan, keep_rotated, interpret, num_warps, num_stages,
-             chunk_bytes):
-  if routing is None:
+def _sol_call(q, packed, routing, key_bias, block_len, *, plan, keep_rotated, interpret, num_warps, num_stages,
+              chunk_bytes, overwrite_q):
+  if routing is None:  # XLA orders this read of q before the kernel that may overwrite it
     routing = _routing_impl(q, packed, block_len, plan, chunk_bytes)
   return _sol_impl(q, packed, routing, key_bias, block_len, plan, keep_rotated=keep_rotated,
-                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                   interpret=interpret, num_warps=num_warps, num_stages=num_stages, overwrite_q=overwrite_q)
+
+
+_SOL_STATIC = ("plan", "keep_rotated", "interpret", "num_warps", "num_stages", "chunk_bytes", "overwrite_q")
+_sol_jit = jax.jit(_sol_call, static_argnames=_SOL_STATIC)
+# q donated: at top level its buffer becomes the output instead of being copied.
+_sol_jit_donate_q = jax.jit(_sol_call, static_argnames=_SOL_STATIC, donate_argnums=(0,))
 
 
 def sol_attention(q, packed, *, tau=1.0, sm_scale=None, sink_blocks=None, sink_q=None, key_bias=None,
                   topk_ratio=0.0, tail=True, block_len=None, max_exact=None, keep_rotated=False, routing=None,
-                  interpret=None, num_warps=4, num_stages=2, route_chunk_bytes=DEFAULT_ROUTE_CHUNK_BYTES):
+                  overwrite_q=False, interpret=None, num_warps=4, num_stages=2,
+                  route_chunk_bytes=DEFAULT_ROUTE_CHUNK_BYTES):
   """Sol sparse attention of BF16 ``q`` over a ``formats.PackedKV``; (B, T, H, D) bf16.
 
   q: (B, T, H, D) bf16 rotated by ``R_k``, the same T as the packed K/V (self-
@@ -810,7 +818,8 @@ def sol_attention(q, packed, *, tau=1.0, sm_scale=None, sink_blocks=None, sink_q
   per query block (default kk + 3 under top-k, ``DEFAULT_MAX_EXACT_TAU`` under
   tau). routing: a ``SolRouting`` from ``sol_routing`` with the same arguments,
   to skip the routing step. The output is un-rotated by ``R_v^T`` unless
-  ``keep_rotated``.
+  ``keep_rotated``. overwrite_q: write the output into q's buffer (q is donated and
+  must not be used afterwards), saving one (B, T, H, D) bf16 buffer of peak memory.
   """
   plan = _plan(q, packed, tau=tau, sm_scale=sm_scale, sink_blocks=sink_blocks, sink_q=sink_q,
                topk_ratio=topk_ratio, tail=tail, max_exact=max_exact)
@@ -824,6 +833,7 @@ def sol_attention(q, packed, *, tau=1.0, sm_scale=None, sink_blocks=None, sink_q
     want = (q.shape[0], q.shape[2], plan.num_blocks)
     if tuple(routing.counts.shape) != want or routing.blocks.shape[:3] != want:
       raise ValueError(f"routing is for (B, H, NB) = {tuple(routing.counts.shape)}, this call needs {want}")
-  return _sol_jit(q, packed, routing, key_bias, block_len, plan=plan, keep_rotated=bool(keep_rotated),
-                  interpret=resolve_interpret(interpret), num_warps=int(num_warps), num_stages=int(num_stages),
-                  chunk_bytes=int(route_chunk_bytes))
+  call = _sol_jit_donate_q if overwrite_q else _sol_jit
+  return call(q, packed, routing, key_bias, block_len, plan=plan, keep_rotated=bool(keep_rotated),
+              interpret=resolve_interpret(interpret), num_warps=int(num_warps), num_stages=int(num_stages),
+              chunk_bytes=int(route_chunk_bytes), overwrite_q=bool(overwrite_q))

@@ -99,6 +99,19 @@ def test_kernel_matches_reference(name):
   _check(out, ref, live)
 
 
+def test_overwrite_q_writes_the_output_into_q():
+  # Same values as the out-of-place call (routing included, which also reads q), and
+  # q is donated; inside a jit with q an intermediate as in a layer.
+  q, packed, kw, _ = _case_inputs("mixed_ktoken_topk_sinks")
+  expected = np.asarray(sol.sol_attention(q, packed, **kw), np.float32)
+  q_copy = jnp.array(q, copy=True)
+  out = sol.sol_attention(q_copy, packed, overwrite_q=True, **kw)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+  assert q_copy.is_deleted(), "overwrite_q must donate q"
+  layer = jax.jit(lambda a, p: sol.sol_attention(a * 1.0, p, overwrite_q=True, **kw))
+  np.testing.assert_array_equal(np.asarray(layer(q, packed), np.float32), expected)
+
+
 @pytest.mark.parametrize("name, keep_rotated", [("mixed_ktoken_topk_sinks", False), ("no_tail_sink_q", True),
                                                 ("key_bias_d64", False), ("block_len", False)])
 def test_kernel_lowers_to_triton(name, keep_rotated):
@@ -354,3 +367,4 @@ def test_gpu_kernel_matches_reference():
   q, packed, _, _ = _data(4000, 128, None, "channel", "token", seed=1)
   for kw in ({}, {"topk_ratio": 0.1, "sink_blocks": [0, 8]}, {"tau": 1.5, "sink_q": [10, 12]}):
     _check(sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw))
+  _check(sol.sol_attention(jnp.array(q, copy=True), packed, overwrite_q=True), sol.sol_attention_reference(q, packed))
