@@ -54,6 +54,7 @@ def _child(args):
       t0 = time.perf_counter()
       out = jax.block_until_ready(fn(inp))
       times.append(time.perf_counter() - t0)
+    del out
     rec["times_s"] = times
     rec["time_s"] = float(np.median(times))
     np.save(args.rows_file, out_rows)

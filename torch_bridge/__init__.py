@@ -24,3 +24,8 @@ from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_ten
 from torch_bridge.ops import (packed_attention, segment_ids_from_cu_seqlens, sol_attention,  # noqa: E402
                              streamed_qkv)
 from torch_bridge.attention_module import PackedH3Attention, ReferenceH3Attention  # noqa: E402
+
+__all__ = ["allocator_status", "check_allocator", "BridgeError", "to_jax", "to_torch", "TorchPackedKV",
+           "meta_from_json", "meta_from_tensor", "meta_to_json", "meta_to_tensor", "torch_buffer_specs",
+           "packed_attention", "segment_ids_from_cu_seqlens", "sol_attention", "streamed_qkv",
+           "PackedH3Attention", "ReferenceH3Attention"]

@@ -124,7 +124,7 @@ def check_device(tensors: dict[str, torch.Tensor | None], interpret: bool | None
     allocator.check_once()
   elif device.type == "cpu":
     if backend.on_gpu() and not interpret:
-      raise BridgeError(f"inputs are on the CPU but the kernels run on JAX's GPU backend; move them "
+      raise BridgeError("inputs are on the CPU but the kernels run on JAX's GPU backend; move them "
                         "with .cuda(), or pass interpret=True to run the slow CPU interpreter")
   else:
     raise BridgeError(f"inputs are on {device}; the bridge supports cpu and cuda tensors only")

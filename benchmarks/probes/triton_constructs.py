@@ -1,6 +1,5 @@
 """Which Pallas-Triton constructs lower on the GPU's jax/triton (one tiny kernel each)."""
-import json, os, sys, traceback
-import functools
+import json, os, traceback
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
