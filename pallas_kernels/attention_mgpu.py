@@ -1,0 +1,443 @@
+"""PROTOTYPE: Hopper (sm_90) Mosaic-GPU flash attention over packed int4 K/V.
+
+What it is
+----------
+``packed_attention_mgpu(q, packed)`` computes the same thing as
+``pallas_kernels.attention.packed_attention(q, packed, keep_rotated=True)`` (dense,
+no masks) with a Pallas **Mosaic-GPU** kernel (``jax.experimental.pallas.mosaic_gpu``)
+instead of Pallas-Triton: wgmma tensor-core instructions, TMA copies and a
+warp-specialized FlashAttention-3 structure. It is a prototype to measure how close a
+wgmma kernel that dequantizes int4 K/V in the kernel gets to cuDNN BF16 attention.
+The Triton kernel is at ~2.7x cuDNN and Pallas-Triton's own BF16 flash attention at
+~1.38x, so a Triton kernel cannot get there; only wgmma can.
+
+Scope (anything else raises ValueError / NotImplementedError)
+-------------------------------------------------------------
+* every 64-token block int4 (``block_classes`` all 0), K scheme ``channel``, V
+  scheme ``token``, head_dim D = 128, bf16 q (B, Tq, H, D) in the rotated basis;
+* ``num_tokens`` a multiple of ``block_kv`` (64 or 128), so there are no padding rows;
+* Tq a multiple of ``2 * block_q`` (two compute warpgroups of ``block_q`` rows each);
+* no segments / masks; output in the rotated basis (``keep_rotated=True``), bf16.
+
+Design
+------
+* One CTA = 3 warpgroups (as jax's ``ops/gpu/attention_mgpu.py``): warpgroups 0 and 1
+  each own ``block_q`` query rows; warpgroup 2 only issues TMA copies of the int4 code
+  tiles (``block_kv`` x 64 bytes) and the small scale/zero rows into rings of
+  ``max_concurrent_steps`` slots, guarded by "loaded" and "consumed" mbarriers.
+  Grid is (q tiles, H, B): q tiles vary fastest, so the CTAs running together share
+  one head's K/V in L2.
+* wgmma's B operand must be in SMEM, so each compute warpgroup dequantizes the code
+  tiles into its own bf16 SMEM tiles (``k_deq``, ``v_deq``: ``block_kv`` x 128,
+  128-byte swizzle), ``commit_smem()``, then runs ``Q @ K^T`` and ``P @ V`` with
+  wgmma exactly like the BF16 kernel. The codes ring slot is released as soon as the
+  codes are in registers (earlier than in the BF16 kernel).
+* Nibbles without shifts (Mosaic-GPU has no pointwise ops on 8-bit values except
+  bitwise ones): the codes are read as int8 and ``c & 0x0F`` is the low nibble
+  (channels [0, 64)); ``(c & 0xF0) ^ 0x80`` is, as a *signed* int8, ``16 * (hi - 8)``
+  (channels [64, 128)). Both use Mosaic's fast signed int8 -> bf16 conversion (exact).
+* K "channel": ``k = code * s + z`` per (block, channel) is applied to the 64 x 128
+  tile in f32 (or packed bf16 with ``k_math="bf16"``) before the store to ``k_deq``;
+  the high half uses ``s / 16`` and ``z + 8 s``.
+* V "token": the scale multiplies p instead: ``O += (p * s_t) @ codes + p @ z_t``,
+  so ``v_deq`` holds raw codes (``[lo | 16 (hi - 8)]``, exact in bf16) and the zero
+  term is one number per query row, accumulated in a (block_q,) vector. With
+  ``P' = bf16(p * s_t)`` the high half is ``(P' @ hi16) / 16 + 8 * rowsum(P')``;
+  the correction uses the *rounded* P', so the offset cancels exactly.
+* Softmax in base 2 with ``sm_scale * log2(e)`` folded into the exp2 argument (as in
+  the BF16 kernel, whose m is kept pre-scaled). Row sums (l, sum p z, sum P') are
+  rescaled by alpha each step and applied once at the end.
+* ``overlap=True``: V codes are dequantized while the QK wgmma runs and the next
+  K tile while the PV wgmma runs (both only touch the other SMEM tile), so the
+  conversion work hides under the tensor core instead of lengthening the
+  critical path. ``overlap=False`` dequantizes each tile right before its wgmma.
+
+Variants (``variant=`` keyword, see ``VARIANTS``) exist so that one GPU run can
+compare a few design points; they only change code generation, never results beyond
+bf16 rounding.
+
+Status: written on a CPU machine with jax 0.10.2 and not yet run on a GPU. Every
+variant lowers for CUDA (``python -m benchmarks.probe_attention_mgpu --lower-only``)
+and matches ``packed_attention_reference`` (cos 0.99998, rel L2 5.6e-3; kbf16 8.5e-3)
+in Mosaic-GPU interpret mode with race detection on (``--interpret-check``, which
+patches a few interpreter gaps and so does not check register layouts).
+``benchmarks/probe_attention_mgpu.py`` checks and times it on the GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from formats import packed_kv as fmt
+from pallas_kernels.backend import resolve_sm_scale
+
+__all__ = ["MgpuConfig", "VARIANTS", "packed_attention_mgpu", "make_config"]
+
+_LOG2E = math.log2(math.e)
+_HEAD_DIM = 128
+_HALF = _HEAD_DIM // 2
+_SUB = fmt.BLOCK  # rows per dequantization sub-tile == quantization block (64)
+_COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+  """Static knobs of the kernel (hashable: used as a jit static argument)."""
+  block_q: int = 64               # query rows per compute warpgroup (CTA: 2 * block_q)
+  block_kv: int = 64              # keys per pipeline step: 64 or 128
+  max_concurrent_steps: int = 2   # TMA ring depth
+  codes_layout: str = "wgmma"     # register layout of the int8 code tiles: "wgmma" | "wgmma_8bit"
+  k_math: str = "f32"             # K dequant arithmetic: "f32" (round once) | "bf16" (packed)
+  overlap: bool = True            # dequantize under the other wgmma (see module doc)
+  schedule_barrier: bool = True   # FA3 ping-pong between the two compute warpgroups
+  grid_q_fastest: bool = True     # grid (q tiles, H, B) instead of (H, q tiles, B)
+
+  def __post_init__(self):
+    if self.block_q % 64 or self.block_q <= 0:
+      raise ValueError(f"block_q={self.block_q} must be a positive multiple of 64")
+    if self.block_kv not in (64, 128):
+      raise ValueError(f"block_kv={self.block_kv} must be 64 or 128")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+    if self.codes_layout not in ("wgmma", "wgmma_8bit"):
+      raise ValueError(f"codes_layout={self.codes_layout!r} must be 'wgmma' or 'wgmma_8bit'")
+    if self.k_math not in ("f32", "bf16"):
+      raise ValueError(f"k_math={self.k_math!r} must be 'f32' or 'bf16'")
+
+
+# Named design points for the probe. Each entry overrides MgpuConfig fields; the
+# explicit block_q / block_kv / max_concurrent_steps arguments apply first.
+VARIANTS = {
+    "base": {},                                 # wgmma-layout codes, f32 K math, overlap
+    "codes8bit": {"codes_layout": "wgmma_8bit"},  # 32-bit code loads, 4-wide vectors
+    "kbf16": {"k_math": "bf16"},                # packed bf16 K dequant (rounds s, z)
+    "no_overlap": {"overlap": False},           # dequant right before each wgmma
+    "bkv128": {"block_kv": 128},                # 128 keys per step (2 quant blocks)
+    "bq128": {"block_q": 128},                  # 128 rows per warpgroup (more registers)
+    "bq128_8bit": {"block_q": 128, "codes_layout": "wgmma_8bit"},  # the two fastest together
+}
+
+
+def make_config(block_q=64, block_kv=64, max_concurrent_steps=2, variant="base") -> MgpuConfig:
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r}; use one of {sorted(VARIANTS)}")
+  kw = dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
+  kw.update(VARIANTS[variant])
+  return MgpuConfig(**kw)
+
+
+def _validate(q, packed, cfg: MgpuConfig):
+  meta = fmt.check_query(q, packed)
+  if meta.head_dim != _HEAD_DIM:
+    raise NotImplementedError(f"prototype supports head_dim {_HEAD_DIM} only, got {meta.head_dim}")
+  if any(c != fmt.CLASS_ID["int4"] for c in meta.block_classes):
+    raise NotImplementedError("prototype supports all-int4 packed K/V only (block_classes all 0)")
+  if meta.k_scheme != "channel" or meta.v_scheme != "token":
+    raise NotImplementedError(
+        f"prototype supports k_scheme 'channel' / v_scheme 'token', got {meta.k_scheme!r} / {meta.v_scheme!r}")
+  if meta.num_tokens % cfg.block_kv:
+    raise NotImplementedError(
+        f"num_tokens={meta.num_tokens} must be a multiple of block_kv={cfg.block_kv} (no padding rows)")
+  tq = q.shape[1]
+  if tq % (_COMPUTE_WGS * cfg.block_q):
+    raise NotImplementedError(f"Tq={tq} must be a multiple of 2 * block_q = {_COMPUTE_WGS * cfg.block_q}")
+  return meta
+
+
+def _smem_load(ref, idx, *, layout):
+  """SMEM -> registers in an explicit layout. Also a seam for interpret-mode tests
+  (the CPU interpreter cannot run ``plgpu.load`` on tiled refs)."""
+  return plgpu.load(ref, idx, layout=layout)
+
+
+def _accumulate(body, acc):
+  """Run ``body(acc_ref)`` (wgmma into acc_ref) on an accumulator initialized to
+  ``acc``; returns the awaited result. Also a seam for interpret-mode tests (the
+  interpreter has no ``run_state``)."""
+  return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def _codes_layout(cfg: MgpuConfig):
+  return plgpu.Layout.WGMMA if cfg.codes_layout == "wgmma" else plgpu.Layout.WGMMA_8BIT
+
+
+def _nibbles_bf16(c):
+  """int8 code bytes -> (lo, hi16) bf16: lo = code[j] (0..15), hi16 = 16 * (code[j+64] - 8).
+
+  Only bitwise ops on 8-bit values (Mosaic-GPU has no 8-bit arithmetic/shifts); the
+  int8 -> bf16 conversion is Mosaic's fast signed path and exact for these values.
+  """
+  lo = c & jnp.int8(0x0F)
+  hi = (c & jnp.int8(-16)) ^ jnp.int8(-128)  # 0xF0, 0x80 as int8
+  return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
+
+
+def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: float):
+  """q (B,Tq,H,D) bf16; kc/vc (B,H,T,64) int8; ks/kz (B,H,NB,D) f32; vs/vz (B,H,T) f32."""
+  batch, tq, heads, d = q.shape
+  tkv = kc.shape[2]
+  block_q, block_kv = cfg.block_q, cfg.block_kv
+  nsub = block_kv // _SUB
+  kv_steps = tkv // block_kv
+  steps = min(cfg.max_concurrent_steps, kv_steps)
+  qk_scale = sm_scale * _LOG2E
+  codes_layout = _codes_layout(cfg)
+  col_layout = codes_layout.reduce(0)  # (64,) per-channel vectors broadcast over rows
+  num_q_tiles = tq // (_COMPUTE_WGS * block_q)
+
+  def kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, scoped):
+    smem, loaded, consumed, schedule_barrier = scoped
+    qo_smem2, kc_smem, ks_smem, kz_smem, vc_smem, vs_smem, vz_smem, kdeq2, vdeq2 = smem
+    k_loaded, v_loaded, q_loaded = loaded
+    k_consumed, v_consumed = consumed
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    q_tile = lax.axis_index("q_seq")
+    wg_idx = lax.axis_index("wg")
+
+    def perform_schedule_barrier():
+      if cfg.schedule_barrier:
+        plgpu.barrier_arrive(schedule_barrier)
+        plgpu.barrier_wait(schedule_barrier)
+
+    def slot_of(step):
+      return lax.rem(step, jnp.array(steps, step.dtype))
+
+    @pl.when(wg_idx < _COMPUTE_WGS)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      kdeq = kdeq2.at[wg_idx]
+      vdeq = vdeq2.at[wg_idx]
+      q_seq_base = q_tile * (_COMPUTE_WGS * block_q) + wg_idx * block_q
+
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_seq_base, block_q), h], qo_smem, q_loaded.at[wg_idx])
+
+      def dequant_k(slot):
+        """Codes + per-channel scales of ring slot -> bf16 K tile in kdeq; frees the slot."""
+        plgpu.barrier_wait(k_loaded.at[slot])
+        for j in range(nsub):
+          rows = pl.ds(j * _SUB, _SUB)
+          c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
+          s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
+          s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
+          z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
+          z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
+          # hi16 = 16 * (code - 8): k = hi16 * (s / 16) + (z + 8 s).
+          z_hi = z_hi + 8.0 * s_hi
+          s_hi = s_hi * (1.0 / 16.0)
+          lo, hi = _nibbles_bf16(c)
+          shape = (_SUB, _HALF)
+          bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v, shape, [1]), codes_layout)
+          if cfg.k_math == "f32":
+            k_lo = (lo.astype(jnp.float32) * bc(s_lo) + bc(z_lo)).astype(jnp.bfloat16)
+            k_hi = (hi.astype(jnp.float32) * bc(s_hi) + bc(z_hi)).astype(jnp.bfloat16)
+          else:
+            bf = lambda v: bc(v.astype(jnp.bfloat16))
+            k_lo = lo * bf(s_lo) + bf(z_lo)
+            k_hi = hi * bf(s_hi) + bf(z_hi)
+          kdeq[rows, pl.ds(0, _HALF)] = k_lo
+          kdeq[rows, pl.ds(_HALF, _HALF)] = k_hi
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma (async proxy)
+
+      def dequant_v_codes(slot):
+        """Raw V codes of ring slot -> bf16 [lo | 16 (hi - 8)] tile in vdeq (scales stay in SMEM)."""
+        for j in range(nsub):
+          rows = pl.ds(j * _SUB, _SUB)
+          c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
+          lo, hi = _nibbles_bf16(c)
+          vdeq[rows, pl.ds(0, _HALF)] = lo
+          vdeq[rows, pl.ds(_HALF, _HALF)] = hi
+
+      def load_v_scales(slot):
+        s = _smem_load(vs_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        z = _smem_load(vz_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return s, z
+
+      row_vec = lambda: plgpu.layout_cast(jnp.full((block_q,), 0, dtype=jnp.float32),
+                                          plgpu.Layout.WGMMA.reduce(1))
+      m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i, z_i, ps_i = row_vec(), row_vec(), row_vec()
+      acc = plgpu.layout_cast(jnp.full((block_q, d), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
+
+      plgpu.barrier_wait(q_loaded.at[wg_idx])
+      dequant_k(0)
+      pl.when(wg_idx == 1)(perform_schedule_barrier)
+
+      def kv_loop(kv_step, carry):
+        acc, m_i, l_i, z_i, ps_i = carry
+        slot = slot_of(kv_step)
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(kdeq, (1, 0)))
+          perform_schedule_barrier()
+          if cfg.overlap:  # V codes -> vdeq while the QK wgmma runs (vdeq is idle).
+            plgpu.barrier_wait(v_loaded.at[slot])
+            dequant_v_codes(slot)
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        if not cfg.overlap:
+          plgpu.barrier_wait(v_loaded.at[slot])
+        v_s, v_z = load_v_scales(slot)
+        if cfg.overlap:
+          plgpu.barrier_arrive(v_consumed.at[slot])
+
+        # Softmax in base 2; m is kept in units of qk * sm_scale * log2(e).
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+        alpha = jnp.exp2(m_i - m_ij)
+        m_i = m_ij
+        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        p16 = (p * lax.broadcast_in_dim(v_s, qk.shape, [1])).astype(jnp.bfloat16)
+        z_i = z_i * alpha + (p * lax.broadcast_in_dim(v_z, qk.shape, [1])).sum(axis=1)
+        ps_i = ps_i * alpha + p16.astype(jnp.float32).sum(axis=1)
+        acc, l_i, m_i, z_i, ps_i, p16 = lax.optimization_barrier((acc, l_i, m_i, z_i, ps_i, p16))
+
+        if cfg.schedule_barrier:
+          plgpu.barrier_arrive(schedule_barrier)  # done with softmax
+        if not cfg.overlap:
+          dequant_v_codes(slot)
+          plgpu.barrier_arrive(v_consumed.at[slot])
+        plgpu.commit_smem()  # vdeq writes -> visible to wgmma
+        if cfg.schedule_barrier:
+          plgpu.barrier_wait(schedule_barrier)  # wait until the tensor core is free
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, vdeq)
+          if cfg.overlap:  # next K tile -> kdeq while the PV wgmma runs (kdeq is idle).
+            @pl.when(kv_step + 1 < kv_steps)
+            def _next_k():
+              dequant_k(slot_of(kv_step + 1))
+
+        acc = _accumulate(compute_pv, acc)
+        if not cfg.overlap:
+          @pl.when(kv_step + 1 < kv_steps)
+          def _next_k():
+            dequant_k(slot_of(kv_step + 1))
+        return acc, m_i, l_i, z_i, ps_i
+
+      acc, m_i, l_i, z_i, ps_i = lax.fori_loop(0, kv_steps, kv_loop, (acc, m_i, l_i, z_i, ps_i))
+      pl.when(wg_idx == 0)(perform_schedule_barrier)
+
+      # Columns [64, 128) hold (P' @ 16 (hi - 8)) : divide by 16, add back 8 * sum P'.
+      col = plgpu.broadcasted_iota(jnp.int32, (block_q, d), 1, layout=plgpu.Layout.WGMMA)
+      shape = (block_q, d)
+      ps_b = lax.broadcast_in_dim(ps_i, shape, [0])
+      out = jnp.where(col >= _HALF, acc * (1.0 / 16.0) + 8.0 * ps_b, acc)
+      out = out + lax.broadcast_in_dim(z_i, shape, [0])
+      out = out * lax.broadcast_in_dim(1.0 / l_i, shape, [0])
+      qo_smem[...] = out.astype(jnp.bfloat16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_seq_base, block_q), h])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg_idx == _COMPUTE_WGS)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def issue_k(step, slot):
+        bar = k_loaded.at[slot]
+        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(step * block_kv, block_kv)], kc_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(ks_ref.at[b, h, pl.ds(step * nsub, nsub)], ks_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(kz_ref.at[b, h, pl.ds(step * nsub, nsub)], kz_smem.at[slot], bar)
+
+      def issue_v(step, slot):
+        bar = v_loaded.at[slot]
+        keys = pl.ds(step * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(vc_ref.at[b, h, keys], vc_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(vs_ref.at[b, h, keys], vs_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(vz_ref.at[b, h, keys], vz_smem.at[slot], bar)
+
+      for i in range(steps):
+        issue_k(i, i)
+        issue_v(i, i)
+
+      @pl.loop(0, kv_steps - steps)
+      def _kv_loop(kv_step):
+        tma_step = kv_step + steps
+        tma_slot = slot_of(kv_step)
+        plgpu.barrier_wait(k_consumed.at[tma_slot])
+        issue_k(tma_step, tma_slot)
+        plgpu.barrier_wait(v_consumed.at[tma_slot])
+        issue_v(tma_step, tma_slot)
+
+  def entry(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref):
+    t16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16, 128-byte rows
+    t8 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))    # int8, 64-byte rows
+    smem = (
+        plgpu.SMEM((_COMPUTE_WGS, block_q, d), jnp.bfloat16, transforms=t16),   # q, then out
+        plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # K codes ring
+        plgpu.SMEM((steps, nsub, d), jnp.float32),                              # K scales ring
+        plgpu.SMEM((steps, nsub, d), jnp.float32),                              # K zeros ring
+        plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # V codes ring
+        plgpu.SMEM((steps, block_kv), jnp.float32),                             # V scales ring
+        plgpu.SMEM((steps, block_kv), jnp.float32),                             # V zeros ring
+        plgpu.SMEM((_COMPUTE_WGS, block_kv, d), jnp.bfloat16, transforms=t16),  # K bf16 per wg
+        plgpu.SMEM((_COMPUTE_WGS, block_kv, d), jnp.bfloat16, transforms=t16),  # V codes bf16 per wg
+    )
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, args),
+        smem,
+        (
+            plgpu.Barrier(num_arrivals=3, num_barriers=steps),  # K codes + scale + zero
+            plgpu.Barrier(num_arrivals=3, num_barriers=steps),  # V codes + scale + zero
+            plgpu.Barrier(num_barriers=_COMPUTE_WGS),           # q tile per wg
+        ),
+        (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),) * 2,
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+        collective_axes="wg",
+    )
+
+  if cfg.grid_q_fastest:
+    grid, grid_names = (num_q_tiles, heads, batch), ("q_seq", "heads", "batch")
+  else:
+    grid, grid_names = (heads, num_q_tiles, batch), ("heads", "q_seq", "batch")
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, kc, ks, kz, vc, vs, vz)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sm_scale"))
+def _packed_attention_mgpu_jit(q, packed, *, cfg: MgpuConfig, sm_scale: float):
+  a = packed.arrays
+  b, h = packed.meta.batch, packed.meta.heads
+  t = packed.meta.num_tokens
+  # Same-width bitcasts and reshapes: no data movement.
+  kc = lax.bitcast_convert_type(a["k_codes4"], jnp.int8)
+  vc = lax.bitcast_convert_type(a["v_codes4"], jnp.int8)
+  vs = a["v_scale4"].reshape(b, h, t)
+  vz = a["v_zero4"].reshape(b, h, t)
+  return _attention_call(q, kc, a["k_scale4"], a["k_zero4"], vc, vs, vz, cfg=cfg, sm_scale=sm_scale)
+
+
+def packed_attention_mgpu(q, packed, *, block_q=64, block_kv=64, max_concurrent_steps=2, variant="base",
+                          sm_scale=None):
+  """Dense attention of bf16 ``q`` (B, Tq, H, D), rotated by R_k, over an all-int4
+  ``formats.PackedKV`` (K "channel", V "token", D = 128) on a Hopper GPU.
+
+  Returns (B, Tq, H, D) bf16 in the rotated basis, i.e. what
+  ``packed_attention(q, packed, keep_rotated=True)`` returns. ``variant`` picks a
+  code-generation design point from ``VARIANTS`` (its fields override the block
+  arguments). sm_scale defaults to 1/sqrt(D). Jit-able (everything but q and packed
+  arrays is static). See the module docstring for scope and design.
+  """
+  cfg = make_config(block_q, block_kv, max_concurrent_steps, variant)
+  meta = _validate(q, packed, cfg)
+  return _packed_attention_mgpu_jit(q, packed, cfg=cfg, sm_scale=resolve_sm_scale(sm_scale, meta.head_dim))
