@@ -51,17 +51,40 @@ Design
   K tile while the PV wgmma runs (both only touch the other SMEM tile), so the
   conversion work hides under the tensor core instead of lengthening the
   critical path. ``overlap=False`` dequantizes each tile right before its wgmma.
+* ``shared_deq=True`` (variant ``shared_deq``, block_q 128): each tile is dequantized
+  once per CTA instead of once per compute warpgroup. ``k_deq`` / ``v_deq`` become
+  rings of 2 bf16 tiles (indexed by kv step, same SMEM size) read by both warpgroups:
+  warpgroup 0 produces every K tile, warpgroup 1 every V-codes tile, each during its
+  own PV wgmma of the previous step (the first ones before the loop). Per ring slot a
+  "ready" mbarrier (1 arrival: producer, after ``commit_smem()``) and a "free" one (2
+  arrivals: each warpgroup once its wgmma on the tile has completed; the producer waits
+  on it before overwriting). K codes are then read by warpgroup 0 only, so the
+  "K consumed" barrier has 1 arrival; warpgroup 1 waits "V loaded" once per step, when
+  it dequantizes (it reads the V scales later without waiting again).
+* ``v_math="tile"`` (variants ``vtile*``, the default ``vtile``; needs shared_deq):
+  warpgroup 1 dequantizes the whole V tile, ``v = code * s_t + z_t`` with the per-token
+  vectors broadcast along rows (the same math as K's, transposed), so the softmax is
+  plain FA3 (no ``p * s_t``, no ``sum p z``, no ``sum P'`` row sums) and the epilogue is
+  ``acc / l``. The V codes and scales are then read by warpgroup 1 only. On the H200 the
+  V terms in the softmax were the largest single cost (diagnostics below).
 
 Variants (``variant=`` keyword, see ``VARIANTS``) exist so that one GPU run can
 compare a few design points; they only change code generation, never results beyond
-bf16 rounding.
+bf16 rounding (``k_math="bf16"`` rounds s and z to bf16: cos about 0.99996 against the
+float32 reference instead of 0.99999). ``DIAGNOSTIC_VARIANTS`` skip parts of the work
+and give wrong results on purpose: the probe times them to split the kernel's time.
 
-Status: written on a CPU machine with jax 0.10.2 and not yet run on a GPU. Every
-variant lowers for CUDA (``python -m benchmarks.probe_attention_mgpu --lower-only``)
-and matches ``packed_attention_reference`` (cos 0.99998, rel L2 5.6e-3; kbf16 8.5e-3)
-in Mosaic-GPU interpret mode with race detection on (``--interpret-check``, which
-patches a few interpreter gaps and so does not check register layouts).
-``benchmarks/probe_attention_mgpu.py`` checks and times it on the GPU.
+Status: every point of ``VARIANTS`` passed ``pytest -m gpu`` on an H200 (jax 0.11.2)
+when it was added; after the last change to shared code (K/V scale math in
+``scale_math``) the GPU run covered base, kbf16, no_overlap, shared_deq_8bit_kbf16,
+vtile, vtile_bf16 and vtile_bf16_nosched (``benchmarks/results/logs/pytest_gpu_mgpu_*``).
+The H200 times (T = 152,320, B = 1, H = 56) are in ``benchmarks/NOTES.md`` and
+``benchmarks/results/attention_mgpu_probe*.json``: the best is ``vtile_bf16_nosched``
+at about 1.45x cuDNN BF16, ``vtile`` at about 1.6x. On the CPU every variant lowers for
+CUDA and matches the reference in Mosaic-GPU interpret mode with race detection
+(``python -m benchmarks.probe_attention_mgpu --interpret-check``). It is not wired into
+``packed_attention``: it lacks masks, varlen, ragged T, mixed int8/bf16 classes and
+head_dim 64.
 """
 from __future__ import annotations
 
@@ -78,13 +101,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from formats import packed_kv as fmt
 from pallas_kernels.backend import resolve_sm_scale
 
-__all__ = ["MgpuConfig", "VARIANTS", "packed_attention_mgpu", "make_config"]
+__all__ = ["MgpuConfig", "VARIANTS", "DIAGNOSTIC_VARIANTS", "DEFAULT_VARIANT", "packed_attention_mgpu",
+           "make_config"]
 
 _LOG2E = math.log2(math.e)
 _HEAD_DIM = 128
 _HALF = _HEAD_DIM // 2
 _SUB = fmt.BLOCK  # rows per dequantization sub-tile == quantization block (64)
 _COMPUTE_WGS = 2
+_DEQ_SLOTS = 2  # shared_deq: depth of the shared bf16 K and V rings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +123,15 @@ class MgpuConfig:
   overlap: bool = True            # dequantize under the other wgmma (see module doc)
   schedule_barrier: bool = True   # FA3 ping-pong between the two compute warpgroups
   grid_q_fastest: bool = True     # grid (q tiles, H, B) instead of (H, q tiles, B)
+  shared_deq: bool = False        # one bf16 K/V ring per CTA, shared by both warpgroups (module doc)
+  # "p_scale": V scale/zero applied to P in the softmax (v_deq holds raw codes);
+  # "tile": the V producer dequantizes the whole tile (v = code * s_t + z_t), so the
+  # softmax is plain (shared_deq only; module doc).
+  v_math: str = "p_scale"
+  # Timing diagnostics only, the output is WRONG: "k_noscale" stores K codes without the
+  # per-channel scale math; "no_convert" skips every code load/convert/store (barriers stay);
+  # "no_convert_no_vmath" also drops the V scale/zero math from the softmax.
+  diagnostic: str = ""
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_q <= 0:
@@ -110,10 +144,19 @@ class MgpuConfig:
       raise ValueError(f"codes_layout={self.codes_layout!r} must be 'wgmma' or 'wgmma_8bit'")
     if self.k_math not in ("f32", "bf16"):
       raise ValueError(f"k_math={self.k_math!r} must be 'f32' or 'bf16'")
+    if self.diagnostic not in ("", "k_noscale", "no_convert", "no_convert_no_vmath"):
+      raise ValueError(f"diagnostic={self.diagnostic!r} must be '', 'k_noscale', 'no_convert' "
+                       "or 'no_convert_no_vmath'")
+    if self.v_math not in ("p_scale", "tile"):
+      raise ValueError(f"v_math={self.v_math!r} must be 'p_scale' or 'tile'")
+    if self.v_math == "tile" and not self.shared_deq:
+      raise ValueError("v_math='tile' needs shared_deq=True")
+    if self.shared_deq and not self.overlap:
+      raise ValueError("shared_deq=True needs overlap=True (tiles are dequantized under the PV wgmma)")
 
 
-# Named design points for the probe. Each entry overrides MgpuConfig fields; the
-# explicit block_q / block_kv / max_concurrent_steps arguments apply first.
+# Named design points for the probe. Each entry sets MgpuConfig fields; explicit
+# block_q / block_kv / max_concurrent_steps arguments override them.
 VARIANTS = {
     "base": {},                                 # wgmma-layout codes, f32 K math, overlap
     "codes8bit": {"codes_layout": "wgmma_8bit"},  # 32-bit code loads, 4-wide vectors
@@ -122,14 +165,51 @@ VARIANTS = {
     "bkv128": {"block_kv": 128},                # 128 keys per step (2 quant blocks)
     "bq128": {"block_q": 128},                  # 128 rows per warpgroup (more registers)
     "bq128_8bit": {"block_q": 128, "codes_layout": "wgmma_8bit"},  # the two fastest together
+    "shared_deq": {"block_q": 128, "shared_deq": True},  # bq128, each tile dequantized once per CTA
+    "shared_deq_8bit": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit"},
+    "shared_deq_8bit_kbf16": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                              "k_math": "bf16"},
+    "shared_deq_8bit_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                           "max_concurrent_steps": 3},  # 3-deep TMA ring of code tiles
+    # 64 q rows per warpgroup and 128 keys per step (half the steps, as jax's FA3 example)
+    "shared_deq_bkv128": {"block_q": 64, "block_kv": 128, "shared_deq": True,
+                          "codes_layout": "wgmma_8bit"},
+    # V dequantized as a tile by its producer: the softmax carries no V scale/zero math.
+    "vtile": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile"},
+    "vtile_bf16": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                   "v_math": "tile", "k_math": "bf16"},
+    # the same without the FA3 ping-pong between the two compute warpgroups
+    "vtile_bf16_nosched": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                           "v_math": "tile", "k_math": "bf16", "schedule_barrier": False},
+}
+
+# Timing-only points that compute a WRONG result on purpose, to split the time of the
+# best variant into its parts (the probe times them without the correctness gate).
+DIAGNOSTIC_VARIANTS = {
+    "diag_k_noscale": {**VARIANTS["shared_deq_8bit"], "diagnostic": "k_noscale"},
+    "diag_no_convert": {**VARIANTS["shared_deq_8bit"], "diagnostic": "no_convert"},
+    "diag_no_convert_no_vmath": {**VARIANTS["shared_deq_8bit"], "diagnostic": "no_convert_no_vmath"},
+    "diag_bkv128_no_convert": {**VARIANTS["shared_deq_bkv128"], "diagnostic": "no_convert"},
 }
 
 
-def make_config(block_q=64, block_kv=64, max_concurrent_steps=2, variant="base") -> MgpuConfig:
-  if variant not in VARIANTS:
-    raise ValueError(f"unknown variant {variant!r}; use one of {sorted(VARIANTS)}")
-  kw = dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-  kw.update(VARIANTS[variant])
+# The fastest variant whose results match the reference at f32 K/V math (H200 probes,
+# benchmarks/NOTES.md); the bf16-math ones are faster but sit closer to the test bound.
+DEFAULT_VARIANT = "vtile"
+
+
+def make_config(block_q=None, block_kv=None, max_concurrent_steps=None, variant=DEFAULT_VARIANT) -> MgpuConfig:
+  """MgpuConfig of a named variant; block arguments that are not None override it.
+
+  Only the named points in VARIANTS are run by the GPU tests; other combinations are
+  validated by MgpuConfig but not measured.
+  """
+  points = {**VARIANTS, **DIAGNOSTIC_VARIANTS}
+  if variant not in points:
+    raise ValueError(f"unknown variant {variant!r}; use one of {sorted(points)}")
+  kw = dict(points[variant])
+  explicit = dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
+  kw.update({k: v for k, v in explicit.items() if v is not None})
   return MgpuConfig(**kw)
 
 
@@ -190,10 +270,12 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   qk_scale = sm_scale * _LOG2E
   codes_layout = _codes_layout(cfg)
   col_layout = codes_layout.reduce(0)  # (64,) per-channel vectors broadcast over rows
+  row_layout = codes_layout.reduce(1)  # (64,) per-token vectors broadcast over columns
   num_q_tiles = tq // (_COMPUTE_WGS * block_q)
 
   def kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, scoped):
-    smem, loaded, consumed, schedule_barrier = scoped
+    smem, loaded, consumed, schedule_barrier, *deq_bars = scoped
+    deq_bars = deq_bars[0] if deq_bars else None  # shared_deq only
     qo_smem2, kc_smem, ks_smem, kz_smem, vc_smem, vs_smem, vz_smem, kdeq2, vdeq2 = smem
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
@@ -208,6 +290,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.barrier_wait(schedule_barrier)
 
     def slot_of(step):
+      if isinstance(step, int):
+        return step % steps
       return lax.rem(step, jnp.array(steps, step.dtype))
 
     @pl.when(wg_idx < _COMPUTE_WGS)
@@ -220,47 +304,177 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
 
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_seq_base, block_q), h], qo_smem, q_loaded.at[wg_idx])
 
-      def dequant_k(slot):
+      def scale_math(dst, rows, lo, hi, s_lo, s_hi, z_lo, z_hi, *, bcast_dim):
+        """dst[rows] = [lo * s_lo + z_lo | hi16 * s_hi / 16 + (z_hi + 8 s_hi)] in bf16.
+
+        hi16 = 16 * (code - 8) (see _nibbles_bf16). The scale/zero vectors run along
+        columns (K, per channel: bcast_dim=1) or along rows (V, per token: bcast_dim=0).
+        """
+        z_hi = z_hi + 8.0 * s_hi
+        s_hi = s_hi * (1.0 / 16.0)
+        shape = (_SUB, _HALF)
+        bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v, shape, [bcast_dim]), codes_layout)
+        if cfg.k_math == "f32":
+          v_lo = (lo.astype(jnp.float32) * bc(s_lo) + bc(z_lo)).astype(jnp.bfloat16)
+          v_hi = (hi.astype(jnp.float32) * bc(s_hi) + bc(z_hi)).astype(jnp.bfloat16)
+        else:
+          bf = lambda v: bc(v.astype(jnp.bfloat16))
+          v_lo = lo * bf(s_lo) + bf(z_lo)
+          v_hi = hi * bf(s_hi) + bf(z_hi)
+        dst[rows, pl.ds(0, _HALF)] = v_lo
+        dst[rows, pl.ds(_HALF, _HALF)] = v_hi
+
+      def dequant_k(slot, kdeq=kdeq):
         """Codes + per-channel scales of ring slot -> bf16 K tile in kdeq; frees the slot."""
         plgpu.barrier_wait(k_loaded.at[slot])
-        for j in range(nsub):
+        for j in range(0 if cfg.diagnostic.startswith("no_convert") else nsub):
           rows = pl.ds(j * _SUB, _SUB)
           c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
           s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
           s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
           z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
           z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
-          # hi16 = 16 * (code - 8): k = hi16 * (s / 16) + (z + 8 s).
-          z_hi = z_hi + 8.0 * s_hi
-          s_hi = s_hi * (1.0 / 16.0)
           lo, hi = _nibbles_bf16(c)
-          shape = (_SUB, _HALF)
-          bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v, shape, [1]), codes_layout)
-          if cfg.k_math == "f32":
-            k_lo = (lo.astype(jnp.float32) * bc(s_lo) + bc(z_lo)).astype(jnp.bfloat16)
-            k_hi = (hi.astype(jnp.float32) * bc(s_hi) + bc(z_hi)).astype(jnp.bfloat16)
+          if cfg.diagnostic == "k_noscale":
+            kdeq[rows, pl.ds(0, _HALF)] = lo
+            kdeq[rows, pl.ds(_HALF, _HALF)] = hi
           else:
-            bf = lambda v: bc(v.astype(jnp.bfloat16))
-            k_lo = lo * bf(s_lo) + bf(z_lo)
-            k_hi = hi * bf(s_hi) + bf(z_hi)
-          kdeq[rows, pl.ds(0, _HALF)] = k_lo
-          kdeq[rows, pl.ds(_HALF, _HALF)] = k_hi
+            scale_math(kdeq, rows, lo, hi, s_lo, s_hi, z_lo, z_hi, bcast_dim=1)
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma (async proxy)
 
-      def dequant_v_codes(slot):
+      def dequant_v_codes(slot, vdeq=vdeq):
         """Raw V codes of ring slot -> bf16 [lo | 16 (hi - 8)] tile in vdeq (scales stay in SMEM)."""
-        for j in range(nsub):
+        for j in range(0 if cfg.diagnostic.startswith("no_convert") else nsub):
           rows = pl.ds(j * _SUB, _SUB)
           c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
           lo, hi = _nibbles_bf16(c)
           vdeq[rows, pl.ds(0, _HALF)] = lo
           vdeq[rows, pl.ds(_HALF, _HALF)] = hi
 
+      def dequant_v_tile(slot, vdeq):
+        """Codes + per-token scale/zero of ring slot -> bf16 V tile (v_math='tile')."""
+        for j in range(0 if cfg.diagnostic.startswith("no_convert") else nsub):
+          rows = pl.ds(j * _SUB, _SUB)
+          c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
+          s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
+          z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
+          lo, hi = _nibbles_bf16(c)
+          scale_math(vdeq, rows, lo, hi, s, s, z, z, bcast_dim=0)
+
       def load_v_scales(slot):
         s = _smem_load(vs_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         z = _smem_load(vz_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         return s, z
+
+      def online_softmax(qk, v_s, v_z, acc, m_i, l_i, z_i, ps_i):
+        """One step of the base-2 online softmax; m is kept in units of qk * sm_scale * log2(e).
+
+        The V scale goes into P (p16 = P * s_v per key) and the V zero point into z_i, so the
+        PV wgmma reads the raw V codes.
+        """
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+        alpha = jnp.exp2(m_i - m_ij)
+        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        if cfg.diagnostic == "no_convert_no_vmath":
+          return lax.optimization_barrier((acc, m_ij, l_i, z_i, ps_i, p.astype(jnp.bfloat16)))
+        p16 = (p * lax.broadcast_in_dim(v_s, qk.shape, [1])).astype(jnp.bfloat16)
+        z_i = z_i * alpha + (p * lax.broadcast_in_dim(v_z, qk.shape, [1])).sum(axis=1)
+        ps_i = ps_i * alpha + p16.astype(jnp.float32).sum(axis=1)
+        return lax.optimization_barrier((acc, m_ij, l_i, z_i, ps_i, p16))
+
+      def plain_softmax(qk, acc, m_i, l_i):
+        """online_softmax for a dequantized V tile (v_math='tile'): no V terms."""
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+        alpha = jnp.exp2(m_i - m_ij)
+        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + p.sum(axis=1)
+        return lax.optimization_barrier((acc, m_ij, l_i, p.astype(jnp.bfloat16)))
+
+      # --- shared_deq: one bf16 K ring and one bf16 V ring of _DEQ_SLOTS tiles per CTA
+      # (kdeq2 / vdeq2 indexed by step % _DEQ_SLOTS instead of by warpgroup). Warpgroup 0
+      # produces every K tile, warpgroup 1 every V tile; both read both as wgmma B.
+      # *_ready (1 arrival: the producer, after commit_smem) / *_free (2 arrivals: each
+      # consumer once its wgmma on the tile has completed). Every waiter waits every
+      # phase of the barriers it waits on, in order (phases are tracked per thread).
+      def deq_slot(step):
+        if isinstance(step, int):
+          return step % _DEQ_SLOTS
+        return lax.rem(step, jnp.array(_DEQ_SLOTS, step.dtype))
+
+      def wait_free(free, step, dslot):
+        """Before overwriting ring tile dslot with step's tile: both wgs done with step - _DEQ_SLOTS."""
+        if isinstance(step, int):
+          if step >= _DEQ_SLOTS:
+            plgpu.barrier_wait(free.at[dslot])
+        else:
+          pl.when(step >= _DEQ_SLOTS)(lambda: plgpu.barrier_wait(free.at[dslot]))
+
+      def produce_k(step):  # warpgroup 0 only
+        k_ready, _, k_free, _ = deq_bars
+        dslot = deq_slot(step)
+        wait_free(k_free, step, dslot)
+        dequant_k(slot_of(step), kdeq2.at[dslot])  # waits k_loaded, frees the codes, commit_smem
+        plgpu.barrier_arrive(k_ready.at[dslot])
+
+      def produce_v(step):  # warpgroup 1 only; it waits v_loaded here, once per step
+        _, v_ready, _, v_free = deq_bars
+        dslot = deq_slot(step)
+        wait_free(v_free, step, dslot)
+        slot = slot_of(step)
+        plgpu.barrier_wait(v_loaded.at[slot])
+        if cfg.v_math == "tile":
+          dequant_v_tile(slot, vdeq2.at[dslot])
+          plgpu.barrier_arrive(v_consumed.at[slot])  # the only reader of this V slot
+        else:
+          dequant_v_codes(slot, vdeq2.at[dslot])
+        plgpu.commit_smem()  # generic-proxy writes -> visible to the other warpgroup's wgmma
+        plgpu.barrier_arrive(v_ready.at[dslot])
+
+      def kv_loop_shared(kv_step, carry):
+        acc, m_i, l_i, z_i, ps_i = carry
+        k_ready, v_ready, k_free, v_free = deq_bars
+        slot = slot_of(kv_step)
+        dslot = deq_slot(kv_step)
+        kdeq_s, vdeq_s = kdeq2.at[dslot], vdeq2.at[dslot]
+
+        plgpu.barrier_wait(k_ready.at[dslot])
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(kdeq_s, (1, 0)))
+          perform_schedule_barrier()
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[dslot])
+        if cfg.v_math == "tile":
+          acc, m_i, l_i, p16 = plain_softmax(qk, acc, m_i, l_i)
+        else:
+          # Warpgroup 1 already waited on v_loaded for this step in produce_v.
+          pl.when(wg_idx == 0)(lambda: plgpu.barrier_wait(v_loaded.at[slot]))
+          v_s, v_z = load_v_scales(slot)
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          acc, m_i, l_i, z_i, ps_i, p16 = online_softmax(qk, v_s, v_z, acc, m_i, l_i, z_i, ps_i)
+
+        if cfg.schedule_barrier:
+          plgpu.barrier_arrive(schedule_barrier)  # done with softmax
+          plgpu.barrier_wait(schedule_barrier)  # wait until the tensor core is free
+        plgpu.barrier_wait(v_ready.at[dslot])
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, vdeq_s)
+
+          @pl.when(kv_step + 1 < kv_steps)
+          def _produce_next():  # next K (wg 0) / V (wg 1) tile while the PV wgmma runs
+            pl.when(wg_idx == 0)(lambda: produce_k(kv_step + 1))
+            pl.when(wg_idx == 1)(lambda: produce_v(kv_step + 1))
+
+        acc = _accumulate(compute_pv, acc)
+        plgpu.barrier_arrive(v_free.at[dslot])
+        return acc, m_i, l_i, z_i, ps_i
 
       row_vec = lambda: plgpu.layout_cast(jnp.full((block_q,), 0, dtype=jnp.float32),
                                           plgpu.Layout.WGMMA.reduce(1))
@@ -270,7 +484,11 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       acc = plgpu.layout_cast(jnp.full((block_q, d), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
 
       plgpu.barrier_wait(q_loaded.at[wg_idx])
-      dequant_k(0)
+      if cfg.shared_deq:
+        pl.when(wg_idx == 0)(lambda: produce_k(0))
+        pl.when(wg_idx == 1)(lambda: produce_v(0))
+      else:
+        dequant_k(0)
       pl.when(wg_idx == 1)(perform_schedule_barrier)
 
       def kv_loop(kv_step, carry):
@@ -292,17 +510,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         if cfg.overlap:
           plgpu.barrier_arrive(v_consumed.at[slot])
 
-        # Softmax in base 2; m is kept in units of qk * sm_scale * log2(e).
-        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-        alpha = jnp.exp2(m_i - m_ij)
-        m_i = m_ij
-        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        p16 = (p * lax.broadcast_in_dim(v_s, qk.shape, [1])).astype(jnp.bfloat16)
-        z_i = z_i * alpha + (p * lax.broadcast_in_dim(v_z, qk.shape, [1])).sum(axis=1)
-        ps_i = ps_i * alpha + p16.astype(jnp.float32).sum(axis=1)
-        acc, l_i, m_i, z_i, ps_i, p16 = lax.optimization_barrier((acc, l_i, m_i, z_i, ps_i, p16))
+        acc, m_i, l_i, z_i, ps_i, p16 = online_softmax(qk, v_s, v_z, acc, m_i, l_i, z_i, ps_i)
 
         if cfg.schedule_barrier:
           plgpu.barrier_arrive(schedule_barrier)  # done with softmax
@@ -327,15 +535,19 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
             dequant_k(slot_of(kv_step + 1))
         return acc, m_i, l_i, z_i, ps_i
 
-      acc, m_i, l_i, z_i, ps_i = lax.fori_loop(0, kv_steps, kv_loop, (acc, m_i, l_i, z_i, ps_i))
+      loop_body = kv_loop_shared if cfg.shared_deq else kv_loop
+      acc, m_i, l_i, z_i, ps_i = lax.fori_loop(0, kv_steps, loop_body, (acc, m_i, l_i, z_i, ps_i))
       pl.when(wg_idx == 0)(perform_schedule_barrier)
 
-      # Columns [64, 128) hold (P' @ 16 (hi - 8)) : divide by 16, add back 8 * sum P'.
-      col = plgpu.broadcasted_iota(jnp.int32, (block_q, d), 1, layout=plgpu.Layout.WGMMA)
       shape = (block_q, d)
-      ps_b = lax.broadcast_in_dim(ps_i, shape, [0])
-      out = jnp.where(col >= _HALF, acc * (1.0 / 16.0) + 8.0 * ps_b, acc)
-      out = out + lax.broadcast_in_dim(z_i, shape, [0])
+      if cfg.v_math == "tile":
+        out = acc
+      else:
+        # Columns [64, 128) hold (P' @ 16 (hi - 8)) : divide by 16, add back 8 * sum P'.
+        col = plgpu.broadcasted_iota(jnp.int32, (block_q, d), 1, layout=plgpu.Layout.WGMMA)
+        ps_b = lax.broadcast_in_dim(ps_i, shape, [0])
+        out = jnp.where(col >= _HALF, acc * (1.0 / 16.0) + 8.0 * ps_b, acc)
+        out = out + lax.broadcast_in_dim(z_i, shape, [0])
       out = out * lax.broadcast_in_dim(1.0 / l_i, shape, [0])
       qo_smem[...] = out.astype(jnp.bfloat16)
       plgpu.commit_smem()
@@ -375,6 +587,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   def entry(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref):
     t16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16, 128-byte rows
     t8 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))    # int8, 64-byte rows
+    ndeq = _DEQ_SLOTS if cfg.shared_deq else _COMPUTE_WGS
     smem = (
         plgpu.SMEM((_COMPUTE_WGS, block_q, d), jnp.bfloat16, transforms=t16),   # q, then out
         plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # K codes ring
@@ -383,9 +596,18 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # V codes ring
         plgpu.SMEM((steps, block_kv), jnp.float32),                             # V scales ring
         plgpu.SMEM((steps, block_kv), jnp.float32),                             # V zeros ring
-        plgpu.SMEM((_COMPUTE_WGS, block_kv, d), jnp.bfloat16, transforms=t16),  # K bf16 per wg
-        plgpu.SMEM((_COMPUTE_WGS, block_kv, d), jnp.bfloat16, transforms=t16),  # V codes bf16 per wg
+        # K bf16 / V codes bf16: one tile per wg, or with shared_deq a ring of _DEQ_SLOTS tiles.
+        plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
+        plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
     )
+    deq_barriers = ()
+    if cfg.shared_deq:
+      deq_barriers = ((
+          plgpu.Barrier(num_barriers=_DEQ_SLOTS),  # bf16 K tile ready (producer wg 0)
+          plgpu.Barrier(num_barriers=_DEQ_SLOTS),  # bf16 V tile ready (producer wg 1)
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=_DEQ_SLOTS),  # K slot read by both
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=_DEQ_SLOTS),  # V slot read by both
+      ),)
     pl.run_scoped(
         lambda *args: kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, args),
         smem,
@@ -394,8 +616,13 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
             plgpu.Barrier(num_arrivals=3, num_barriers=steps),  # V codes + scale + zero
             plgpu.Barrier(num_barriers=_COMPUTE_WGS),           # q tile per wg
         ),
-        (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),) * 2,
+        (  # K codes read by both wgs (by wg 0 only with shared_deq); V codes/scales by
+           # both, except with v_math="tile" (wg 1 only)
+            plgpu.Barrier(num_arrivals=1 if cfg.shared_deq else _COMPUTE_WGS, num_barriers=steps),
+            plgpu.Barrier(num_arrivals=1 if cfg.v_math == "tile" else _COMPUTE_WGS, num_barriers=steps),
+        ),
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+        *deq_barriers,
         collective_axes="wg",
     )
 
@@ -427,15 +654,15 @@ def _packed_attention_mgpu_jit(q, packed, *, cfg: MgpuConfig, sm_scale: float):
   return _attention_call(q, kc, a["k_scale4"], a["k_zero4"], vc, vs, vz, cfg=cfg, sm_scale=sm_scale)
 
 
-def packed_attention_mgpu(q, packed, *, block_q=64, block_kv=64, max_concurrent_steps=2, variant="base",
-                          sm_scale=None):
+def packed_attention_mgpu(q, packed, *, block_q=None, block_kv=None, max_concurrent_steps=None,
+                          variant=DEFAULT_VARIANT, sm_scale=None):
   """Dense attention of bf16 ``q`` (B, Tq, H, D), rotated by R_k, over an all-int4
   ``formats.PackedKV`` (K "channel", V "token", D = 128) on a Hopper GPU.
 
   Returns (B, Tq, H, D) bf16 in the rotated basis, i.e. what
   ``packed_attention(q, packed, keep_rotated=True)`` returns. ``variant`` picks a
-  code-generation design point from ``VARIANTS`` (its fields override the block
-  arguments). sm_scale defaults to 1/sqrt(D). Jit-able (everything but q and packed
+  code-generation design point from ``VARIANTS`` (default ``DEFAULT_VARIANT``); block
+  arguments given explicitly override the variant's. sm_scale defaults to 1/sqrt(D). Jit-able (everything but q and packed
   arrays is static). See the module docstring for scope and design.
   """
   cfg = make_config(block_q, block_kv, max_concurrent_steps, variant)

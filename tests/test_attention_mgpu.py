@@ -66,6 +66,32 @@ def test_out_of_scope_inputs_raise():
     amg.packed_attention_mgpu(q.astype(jnp.float32), packed)
 
 
+@pytest.mark.parametrize("variant", sorted(amg.DIAGNOSTIC_VARIANTS))
+def test_diagnostic_variants_lower_for_cuda(variant):
+  q, packed = _make(0, tq=512, tkv=512)
+  fn = jax.jit(lambda q, p: amg.packed_attention_mgpu(q, p, variant=variant))
+  assert "mosaic_gpu" in fn.trace(q, packed).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_config_explicit_blocks_override_the_variant():
+  assert amg.make_config().block_q == amg.VARIANTS[amg.DEFAULT_VARIANT]["block_q"] == 128
+  assert amg.make_config(block_q=64).block_q == 64
+  assert amg.make_config(block_kv=128, variant="base").block_kv == 128
+  assert amg.make_config(variant="base").block_kv == 64
+  assert amg.DEFAULT_VARIANT in amg.VARIANTS
+
+
+def test_config_rejects_bad_fields():
+  with pytest.raises(ValueError, match="v_math"):
+    amg.MgpuConfig(v_math="rows")
+  with pytest.raises(ValueError, match="needs shared_deq"):
+    amg.MgpuConfig(v_math="tile")
+  with pytest.raises(ValueError, match="needs overlap"):
+    amg.MgpuConfig(shared_deq=True, overlap=False)
+  with pytest.raises(ValueError, match="diagnostic"):
+    amg.MgpuConfig(diagnostic="fast")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", sorted(amg.VARIANTS))
 def test_gpu_variant_matches_reference(seed, variant):
