@@ -119,7 +119,8 @@ class MgpuConfig:
   block_kv: int = 64              # keys per pipeline step: 64 or 128
   max_concurrent_steps: int = 2   # TMA ring depth
   codes_layout: str = "wgmma"     # register layout of the int8 code tiles: "wgmma" | "wgmma_8bit"
-  k_math: str = "f32"             # K dequant arithmetic: "f32" (round once) | "bf16" (packed)
+  k_math: str = "f32"             # K (and, with v_math="tile", V) dequant arithmetic:
+                                  # "f32" (round once) | "bf16" (packed)
   overlap: bool = True            # dequantize under the other wgmma (see module doc)
   schedule_barrier: bool = True   # FA3 ping-pong between the two compute warpgroups
   grid_q_fastest: bool = True     # grid (q tiles, H, B) instead of (H, q tiles, B)
@@ -289,10 +290,12 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(schedule_barrier)
 
-    def slot_of(step):
+    def ring_slot(step, depth):
       if isinstance(step, int):
-        return step % steps
-      return lax.rem(step, jnp.array(steps, step.dtype))
+        return step % depth
+      return lax.rem(step, jnp.array(depth, step.dtype))
+
+    slot_of = lambda step: ring_slot(step, steps)  # TMA ring of code tiles
 
     @pl.when(wg_idx < _COMPUTE_WGS)
     def _compute_wg():
@@ -367,32 +370,31 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         z = _smem_load(vz_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         return s, z
 
-      def online_softmax(qk, v_s, v_z, acc, m_i, l_i, z_i, ps_i):
+      def softmax_step(qk, acc, m_i, l_i):
         """One step of the base-2 online softmax; m is kept in units of qk * sm_scale * log2(e).
-
-        The V scale goes into P (p16 = P * s_v per key) and the V zero point into z_i, so the
-        PV wgmma reads the raw V codes.
-        """
+        Returns (acc, m, l, p, alpha), acc and l already rescaled by alpha."""
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
         alpha = jnp.exp2(m_i - m_ij)
         p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
         acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i = l_i * alpha + p.sum(axis=1)
+        return acc, m_ij, l_i, p, alpha
+
+      def online_softmax(qk, v_s, v_z, acc, m_i, l_i, z_i, ps_i):
+        """softmax_step for raw V codes (v_math='p_scale'): the V scale goes into P
+        (p16 = P * s_v per key) and the V zero point into z_i."""
+        acc, m_i, l_i, p, alpha = softmax_step(qk, acc, m_i, l_i)
         if cfg.diagnostic == "no_convert_no_vmath":
-          return lax.optimization_barrier((acc, m_ij, l_i, z_i, ps_i, p.astype(jnp.bfloat16)))
+          return lax.optimization_barrier((acc, m_i, l_i, z_i, ps_i, p.astype(jnp.bfloat16)))
         p16 = (p * lax.broadcast_in_dim(v_s, qk.shape, [1])).astype(jnp.bfloat16)
         z_i = z_i * alpha + (p * lax.broadcast_in_dim(v_z, qk.shape, [1])).sum(axis=1)
         ps_i = ps_i * alpha + p16.astype(jnp.float32).sum(axis=1)
-        return lax.optimization_barrier((acc, m_ij, l_i, z_i, ps_i, p16))
+        return lax.optimization_barrier((acc, m_i, l_i, z_i, ps_i, p16))
 
       def plain_softmax(qk, acc, m_i, l_i):
-        """online_softmax for a dequantized V tile (v_math='tile'): no V terms."""
-        m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
-        alpha = jnp.exp2(m_i - m_ij)
-        p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha + p.sum(axis=1)
-        return lax.optimization_barrier((acc, m_ij, l_i, p.astype(jnp.bfloat16)))
+        """softmax_step for a dequantized V tile (v_math='tile'): no V terms."""
+        acc, m_i, l_i, p, _ = softmax_step(qk, acc, m_i, l_i)
+        return lax.optimization_barrier((acc, m_i, l_i, p.astype(jnp.bfloat16)))
 
       # --- shared_deq: one bf16 K ring and one bf16 V ring of _DEQ_SLOTS tiles per CTA
       # (kdeq2 / vdeq2 indexed by step % _DEQ_SLOTS instead of by warpgroup). Warpgroup 0
@@ -400,10 +402,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       # *_ready (1 arrival: the producer, after commit_smem) / *_free (2 arrivals: each
       # consumer once its wgmma on the tile has completed). Every waiter waits every
       # phase of the barriers it waits on, in order (phases are tracked per thread).
-      def deq_slot(step):
-        if isinstance(step, int):
-          return step % _DEQ_SLOTS
-        return lax.rem(step, jnp.array(_DEQ_SLOTS, step.dtype))
+      deq_slot = lambda step: ring_slot(step, _DEQ_SLOTS)
 
       def wait_free(free, step, dslot):
         """Before overwriting ring tile dslot with step's tile: both wgs done with step - _DEQ_SLOTS."""
@@ -662,8 +661,8 @@ def packed_attention_mgpu(q, packed, *, block_q=None, block_kv=None, max_concurr
   Returns (B, Tq, H, D) bf16 in the rotated basis, i.e. what
   ``packed_attention(q, packed, keep_rotated=True)`` returns. ``variant`` picks a
   code-generation design point from ``VARIANTS`` (default ``DEFAULT_VARIANT``); block
-  arguments given explicitly override the variant's. sm_scale defaults to 1/sqrt(D). Jit-able (everything but q and packed
-  arrays is static). See the module docstring for scope and design.
+  arguments given explicitly override the variant's. sm_scale defaults to 1/sqrt(D).
+  Jit-able (everything but q and packed arrays is static). See the module docstring for scope and design.
   """
   cfg = make_config(block_q, block_kv, max_concurrent_steps, variant)
   meta = _validate(q, packed, cfg)
