@@ -67,6 +67,15 @@ Design
   plain FA3 (no ``p * s_t``, no ``sum p z``, no ``sum P'`` row sums) and the epilogue is
   ``acc / l``. The V codes and scales are then read by warpgroup 1 only. On the H200 the
   V terms in the softmax were the largest single cost (diagnostics below).
+* ``deq_wg=True`` (variants ``deqwg*``; needs shared_deq and v_math="tile"): the memory
+  warpgroup, which only issued TMA copies, also converts every K and V code tile into the
+  shared bf16 rings (``cfg.deq_slots`` deep), so the compute warpgroups run plain FA3 on
+  bf16 tiles and the conversion leaves their instruction stream. It reads the code slots
+  itself, so it refills a slot right after converting it (no "consumed" barriers).
+  Registers move to it with setmaxnreg (``compute_regs`` / ``memory_regs``). setmaxnreg
+  only moves the registers allocated at launch (168 per thread for 3 warpgroups), so the
+  three values must add up to at most 504; 2 x 224 + 64 = 512 hung on the H200 (a
+  compute warpgroup's increase waits forever), which the CPU interpreter does not model.
 
 Variants (``variant=`` keyword, see ``VARIANTS``) exist so that one GPU run can
 compare a few design points; they only change code generation, never results beyond
@@ -109,7 +118,9 @@ _HEAD_DIM = 128
 _HALF = _HEAD_DIM // 2
 _SUB = fmt.BLOCK  # rows per dequantization sub-tile == quantization block (64)
 _COMPUTE_WGS = 2
-_DEQ_SLOTS = 2  # shared_deq: depth of the shared bf16 K and V rings
+# Registers per thread at launch: 65536 / (3 warpgroups x 128 threads) rounded down to a
+# multiple of 8 = 168, so the three setmaxnreg values may add up to 3 x 168 = 504.
+_REG_POOL = 3 * (65536 // (3 * 128) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +144,13 @@ class MgpuConfig:
   # per-channel scale math; "no_convert" skips every code load/convert/store (barriers stay);
   # "no_convert_no_vmath" also drops the V scale/zero math from the softmax.
   diagnostic: str = ""
+  # The memory warpgroup also dequantizes every K and V tile into the shared bf16 rings
+  # (shared_deq + v_math="tile" only), so the compute warpgroups run plain FA3 on bf16
+  # tiles and the conversion leaves their instruction stream (module doc).
+  deq_wg: bool = False
+  deq_slots: int = 2              # shared_deq: depth of the shared bf16 K and V rings
+  compute_regs: int = 232         # setmaxnreg of each compute warpgroup
+  memory_regs: int = 40           # setmaxnreg of the memory warpgroup (2 * compute + memory <= 504)
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_q <= 0:
@@ -154,6 +172,20 @@ class MgpuConfig:
       raise ValueError("v_math='tile' needs shared_deq=True")
     if self.shared_deq and not self.overlap:
       raise ValueError("shared_deq=True needs overlap=True (tiles are dequantized under the PV wgmma)")
+    if self.deq_wg and not (self.shared_deq and self.v_math == "tile"):
+      raise ValueError("deq_wg=True needs shared_deq=True and v_math='tile'")
+    if self.deq_slots < 2:
+      raise ValueError(f"deq_slots={self.deq_slots} must be >= 2")
+    for name in ("compute_regs", "memory_regs"):
+      n = getattr(self, name)
+      if n % 8 or not 24 <= n <= 256:
+        raise ValueError(f"{name}={n} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+    total = _COMPUTE_WGS * self.compute_regs + self.memory_regs
+    if total > _REG_POOL:
+      # setmaxnreg only moves the registers allocated at launch between warpgroups: a
+      # compute warpgroup's "increase" past the pool waits forever (a hang, not an error).
+      raise ValueError(f"2 * compute_regs + memory_regs = {total} exceeds {_REG_POOL}, the registers per "
+                       f"thread allocated at launch for 3 warpgroups (3 x {_REG_POOL // 3}); lower one of them")
 
 
 # Named design points for the probe. Each entry sets MgpuConfig fields; explicit
@@ -182,6 +214,24 @@ VARIANTS = {
     # the same without the FA3 ping-pong between the two compute warpgroups
     "vtile_bf16_nosched": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
                            "v_math": "tile", "k_math": "bf16", "schedule_barrier": False},
+    # The memory warpgroup dequantizes K and V (deq_wg); the compute warpgroups run plain
+    # FA3. Registers move from the compute warpgroups to it (2 * compute + memory = 504).
+    "deqwg": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+              "deq_wg": True, "compute_regs": 224, "memory_regs": 56},
+    "deqwg_bf16": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                   "deq_wg": True, "k_math": "bf16", "compute_regs": 224, "memory_regs": 56},
+    "deqwg_r216": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                   "deq_wg": True, "compute_regs": 216, "memory_regs": 72},
+    # 64 rows per compute warpgroup and 128 keys per step, as jax's FA3 example (its faster
+    # point); fewer registers per compute warpgroup, so more for the converter.
+    "deqwg_bkv128": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                     "v_math": "tile", "deq_wg": True, "compute_regs": 200, "memory_regs": 104},
+    "deqwg_bkv128_bf16": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                          "v_math": "tile", "deq_wg": True, "k_math": "bf16", "compute_regs": 200,
+                          "memory_regs": 104},
+    # 3-deep bf16 rings at 64 keys: the converter may run two tiles ahead.
+    "deqwg_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                 "deq_wg": True, "deq_slots": 3, "compute_regs": 224, "memory_regs": 56},
 }
 
 # Timing-only points that compute a WRONG result on purpose, to split the time of the
@@ -284,6 +334,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     h = lax.axis_index("heads")
     q_tile = lax.axis_index("q_seq")
     wg_idx = lax.axis_index("wg")
+    skip_convert = cfg.diagnostic.startswith("no_convert")
 
     def perform_schedule_barrier():
       if cfg.schedule_barrier:
@@ -296,10 +347,78 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       return lax.rem(step, jnp.array(depth, step.dtype))
 
     slot_of = lambda step: ring_slot(step, steps)  # TMA ring of code tiles
+    # shared_deq: the bf16 K and V rings of cfg.deq_slots tiles, indexed by kv step.
+    deq_slot = lambda step: ring_slot(step, cfg.deq_slots)
+
+    # --- Code tile -> bf16 tile conversions (no barriers): run by the compute warpgroups,
+    # or with deq_wg by the memory warpgroup. Each works on 64-row sub-tiles, one
+    # quantization block at a time.
+    def scale_math(dst, rows, lo, hi, s_lo, s_hi, z_lo, z_hi, *, bcast_dim):
+      """dst[rows] = [lo * s_lo + z_lo | hi16 * s_hi / 16 + (z_hi + 8 s_hi)] in bf16.
+
+      hi16 = 16 * (code - 8) (see _nibbles_bf16). The scale/zero vectors run along
+      columns (K, per channel: bcast_dim=1) or along rows (V, per token: bcast_dim=0).
+      """
+      z_hi = z_hi + 8.0 * s_hi
+      s_hi = s_hi * (1.0 / 16.0)
+      shape = (_SUB, _HALF)
+      bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v, shape, [bcast_dim]), codes_layout)
+      if cfg.k_math == "f32":
+        v_lo = (lo.astype(jnp.float32) * bc(s_lo) + bc(z_lo)).astype(jnp.bfloat16)
+        v_hi = (hi.astype(jnp.float32) * bc(s_hi) + bc(z_hi)).astype(jnp.bfloat16)
+      else:
+        bf = lambda v: bc(v.astype(jnp.bfloat16))
+        v_lo = lo * bf(s_lo) + bf(z_lo)
+        v_hi = hi * bf(s_hi) + bf(z_hi)
+      dst[rows, pl.ds(0, _HALF)] = v_lo
+      dst[rows, pl.ds(_HALF, _HALF)] = v_hi
+
+    def convert_k(slot, dst):
+      """K codes + per-channel scales of TMA ring slot -> bf16 K tile dst."""
+      for j in range(0 if skip_convert else nsub):
+        rows = pl.ds(j * _SUB, _SUB)
+        c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
+        s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
+        s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
+        z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
+        z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
+        lo, hi = _nibbles_bf16(c)
+        if cfg.diagnostic == "k_noscale":
+          dst[rows, pl.ds(0, _HALF)] = lo
+          dst[rows, pl.ds(_HALF, _HALF)] = hi
+        else:
+          scale_math(dst, rows, lo, hi, s_lo, s_hi, z_lo, z_hi, bcast_dim=1)
+
+    def convert_v_codes(slot, dst):
+      """Raw V codes of TMA ring slot -> bf16 [lo | 16 (hi - 8)] tile dst (scales stay in SMEM)."""
+      for j in range(0 if skip_convert else nsub):
+        rows = pl.ds(j * _SUB, _SUB)
+        c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
+        lo, hi = _nibbles_bf16(c)
+        dst[rows, pl.ds(0, _HALF)] = lo
+        dst[rows, pl.ds(_HALF, _HALF)] = hi
+
+    def convert_v_tile(slot, dst):
+      """V codes + per-token scale/zero of TMA ring slot -> bf16 V tile dst (v_math='tile')."""
+      for j in range(0 if skip_convert else nsub):
+        rows = pl.ds(j * _SUB, _SUB)
+        c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
+        s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
+        z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
+        lo, hi = _nibbles_bf16(c)
+        scale_math(dst, rows, lo, hi, s, s, z, z, bcast_dim=0)
+
+    def wait_free(free, step, dslot):
+      """Before overwriting ring tile dslot with step's tile: both wgs done with step - deq_slots."""
+      if isinstance(step, int):
+        if step >= cfg.deq_slots:
+          plgpu.barrier_wait(free.at[dslot])
+      else:
+        pl.when(step >= cfg.deq_slots)(lambda: plgpu.barrier_wait(free.at[dslot]))
 
     @pl.when(wg_idx < _COMPUTE_WGS)
     def _compute_wg():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(cfg.compute_regs, action="increase")
       qo_smem = qo_smem2.at[wg_idx]
       kdeq = kdeq2.at[wg_idx]
       vdeq = vdeq2.at[wg_idx]
@@ -307,63 +426,12 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
 
       plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_seq_base, block_q), h], qo_smem, q_loaded.at[wg_idx])
 
-      def scale_math(dst, rows, lo, hi, s_lo, s_hi, z_lo, z_hi, *, bcast_dim):
-        """dst[rows] = [lo * s_lo + z_lo | hi16 * s_hi / 16 + (z_hi + 8 s_hi)] in bf16.
-
-        hi16 = 16 * (code - 8) (see _nibbles_bf16). The scale/zero vectors run along
-        columns (K, per channel: bcast_dim=1) or along rows (V, per token: bcast_dim=0).
-        """
-        z_hi = z_hi + 8.0 * s_hi
-        s_hi = s_hi * (1.0 / 16.0)
-        shape = (_SUB, _HALF)
-        bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v, shape, [bcast_dim]), codes_layout)
-        if cfg.k_math == "f32":
-          v_lo = (lo.astype(jnp.float32) * bc(s_lo) + bc(z_lo)).astype(jnp.bfloat16)
-          v_hi = (hi.astype(jnp.float32) * bc(s_hi) + bc(z_hi)).astype(jnp.bfloat16)
-        else:
-          bf = lambda v: bc(v.astype(jnp.bfloat16))
-          v_lo = lo * bf(s_lo) + bf(z_lo)
-          v_hi = hi * bf(s_hi) + bf(z_hi)
-        dst[rows, pl.ds(0, _HALF)] = v_lo
-        dst[rows, pl.ds(_HALF, _HALF)] = v_hi
-
       def dequant_k(slot, kdeq=kdeq):
         """Codes + per-channel scales of ring slot -> bf16 K tile in kdeq; frees the slot."""
         plgpu.barrier_wait(k_loaded.at[slot])
-        for j in range(0 if cfg.diagnostic.startswith("no_convert") else nsub):
-          rows = pl.ds(j * _SUB, _SUB)
-          c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
-          s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
-          s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
-          z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
-          z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
-          lo, hi = _nibbles_bf16(c)
-          if cfg.diagnostic == "k_noscale":
-            kdeq[rows, pl.ds(0, _HALF)] = lo
-            kdeq[rows, pl.ds(_HALF, _HALF)] = hi
-          else:
-            scale_math(kdeq, rows, lo, hi, s_lo, s_hi, z_lo, z_hi, bcast_dim=1)
+        convert_k(slot, kdeq)
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma (async proxy)
-
-      def dequant_v_codes(slot, vdeq=vdeq):
-        """Raw V codes of ring slot -> bf16 [lo | 16 (hi - 8)] tile in vdeq (scales stay in SMEM)."""
-        for j in range(0 if cfg.diagnostic.startswith("no_convert") else nsub):
-          rows = pl.ds(j * _SUB, _SUB)
-          c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
-          lo, hi = _nibbles_bf16(c)
-          vdeq[rows, pl.ds(0, _HALF)] = lo
-          vdeq[rows, pl.ds(_HALF, _HALF)] = hi
-
-      def dequant_v_tile(slot, vdeq):
-        """Codes + per-token scale/zero of ring slot -> bf16 V tile (v_math='tile')."""
-        for j in range(0 if cfg.diagnostic.startswith("no_convert") else nsub):
-          rows = pl.ds(j * _SUB, _SUB)
-          c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
-          s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
-          z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
-          lo, hi = _nibbles_bf16(c)
-          scale_math(vdeq, rows, lo, hi, s, s, z, z, bcast_dim=0)
 
       def load_v_scales(slot):
         s = _smem_load(vs_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -396,22 +464,13 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         acc, m_i, l_i, p, _ = softmax_step(qk, acc, m_i, l_i)
         return lax.optimization_barrier((acc, m_i, l_i, p.astype(jnp.bfloat16)))
 
-      # --- shared_deq: one bf16 K ring and one bf16 V ring of _DEQ_SLOTS tiles per CTA
-      # (kdeq2 / vdeq2 indexed by step % _DEQ_SLOTS instead of by warpgroup). Warpgroup 0
-      # produces every K tile, warpgroup 1 every V tile; both read both as wgmma B.
-      # *_ready (1 arrival: the producer, after commit_smem) / *_free (2 arrivals: each
-      # consumer once its wgmma on the tile has completed). Every waiter waits every
-      # phase of the barriers it waits on, in order (phases are tracked per thread).
-      deq_slot = lambda step: ring_slot(step, _DEQ_SLOTS)
-
-      def wait_free(free, step, dslot):
-        """Before overwriting ring tile dslot with step's tile: both wgs done with step - _DEQ_SLOTS."""
-        if isinstance(step, int):
-          if step >= _DEQ_SLOTS:
-            plgpu.barrier_wait(free.at[dslot])
-        else:
-          pl.when(step >= _DEQ_SLOTS)(lambda: plgpu.barrier_wait(free.at[dslot]))
-
+      # --- shared_deq: one bf16 K ring and one bf16 V ring per CTA (kdeq2 / vdeq2 indexed
+      # by step % deq_slots instead of by warpgroup), read by both warpgroups as wgmma B.
+      # Producers: warpgroup 0 every K tile and warpgroup 1 every V tile, or with deq_wg
+      # the memory warpgroup both. *_ready (1 arrival: the producer, after commit_smem) /
+      # *_free (2 arrivals: each consumer once its wgmma on the tile has completed). Every
+      # waiter waits every phase of the barriers it waits on, in order (phases are tracked
+      # per thread).
       def produce_k(step):  # warpgroup 0 only
         k_ready, _, k_free, _ = deq_bars
         dslot = deq_slot(step)
@@ -426,10 +485,10 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         slot = slot_of(step)
         plgpu.barrier_wait(v_loaded.at[slot])
         if cfg.v_math == "tile":
-          dequant_v_tile(slot, vdeq2.at[dslot])
+          convert_v_tile(slot, vdeq2.at[dslot])
           plgpu.barrier_arrive(v_consumed.at[slot])  # the only reader of this V slot
         else:
-          dequant_v_codes(slot, vdeq2.at[dslot])
+          convert_v_codes(slot, vdeq2.at[dslot])
         plgpu.commit_smem()  # generic-proxy writes -> visible to the other warpgroup's wgmma
         plgpu.barrier_arrive(v_ready.at[dslot])
 
@@ -465,6 +524,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, vdeq_s)
+          if cfg.deq_wg:
+            return
 
           @pl.when(kv_step + 1 < kv_steps)
           def _produce_next():  # next K (wg 0) / V (wg 1) tile while the PV wgmma runs
@@ -483,7 +544,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       acc = plgpu.layout_cast(jnp.full((block_q, d), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
 
       plgpu.barrier_wait(q_loaded.at[wg_idx])
-      if cfg.shared_deq:
+      if cfg.deq_wg:
+        pass  # the memory warpgroup produces every tile
+      elif cfg.shared_deq:
         pl.when(wg_idx == 0)(lambda: produce_k(0))
         pl.when(wg_idx == 1)(lambda: produce_v(0))
       else:
@@ -499,7 +562,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
           perform_schedule_barrier()
           if cfg.overlap:  # V codes -> vdeq while the QK wgmma runs (vdeq is idle).
             plgpu.barrier_wait(v_loaded.at[slot])
-            dequant_v_codes(slot)
+            convert_v_codes(slot, vdeq)
           return acc_ref[...]
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -514,7 +577,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         if cfg.schedule_barrier:
           plgpu.barrier_arrive(schedule_barrier)  # done with softmax
         if not cfg.overlap:
-          dequant_v_codes(slot)
+          convert_v_codes(slot, vdeq)
           plgpu.barrier_arrive(v_consumed.at[slot])
         plgpu.commit_smem()  # vdeq writes -> visible to wgmma
         if cfg.schedule_barrier:
@@ -555,7 +618,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
 
     @pl.when(wg_idx == _COMPUTE_WGS)
     def _memory_wg():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(cfg.memory_regs, action="decrease")
 
       def issue_k(step, slot):
         bar = k_loaded.at[slot]
@@ -574,6 +637,34 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         issue_k(i, i)
         issue_v(i, i)
 
+      if cfg.deq_wg:
+        # This warpgroup is the only reader of the code tiles: it converts step's K and V
+        # into the bf16 rings, then refills the code slot with step + steps. The code
+        # loads are complete at commit_smem (it ends with a warpgroup barrier), before the
+        # TMA overwrites the slot.
+        k_ready, v_ready, k_free, v_free = deq_bars
+
+        @pl.loop(0, kv_steps)
+        def _deq_loop(kv_step):
+          slot = slot_of(kv_step)
+          dslot = deq_slot(kv_step)
+          plgpu.barrier_wait(k_loaded.at[slot])
+          wait_free(k_free, kv_step, dslot)
+          convert_k(slot, kdeq2.at[dslot])
+          plgpu.commit_smem()  # generic-proxy writes -> visible to the compute wgs' wgmma
+          plgpu.barrier_arrive(k_ready.at[dslot])
+          plgpu.barrier_wait(v_loaded.at[slot])
+          wait_free(v_free, kv_step, dslot)
+          convert_v_tile(slot, vdeq2.at[dslot])
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(v_ready.at[dslot])
+
+          @pl.when(kv_step + steps < kv_steps)
+          def _refill():
+            issue_k(kv_step + steps, slot)
+            issue_v(kv_step + steps, slot)
+        return
+
       @pl.loop(0, kv_steps - steps)
       def _kv_loop(kv_step):
         tma_step = kv_step + steps
@@ -586,7 +677,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   def entry(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref):
     t16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16, 128-byte rows
     t8 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))    # int8, 64-byte rows
-    ndeq = _DEQ_SLOTS if cfg.shared_deq else _COMPUTE_WGS
+    ndeq = cfg.deq_slots if cfg.shared_deq else _COMPUTE_WGS
     smem = (
         plgpu.SMEM((_COMPUTE_WGS, block_q, d), jnp.bfloat16, transforms=t16),   # q, then out
         plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # K codes ring
@@ -595,17 +686,17 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # V codes ring
         plgpu.SMEM((steps, block_kv), jnp.float32),                             # V scales ring
         plgpu.SMEM((steps, block_kv), jnp.float32),                             # V zeros ring
-        # K bf16 / V codes bf16: one tile per wg, or with shared_deq a ring of _DEQ_SLOTS tiles.
+        # K bf16 / V codes bf16: one tile per wg, or with shared_deq a ring of deq_slots tiles.
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
     )
     deq_barriers = ()
     if cfg.shared_deq:
       deq_barriers = ((
-          plgpu.Barrier(num_barriers=_DEQ_SLOTS),  # bf16 K tile ready (producer wg 0)
-          plgpu.Barrier(num_barriers=_DEQ_SLOTS),  # bf16 V tile ready (producer wg 1)
-          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=_DEQ_SLOTS),  # K slot read by both
-          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=_DEQ_SLOTS),  # V slot read by both
+          plgpu.Barrier(num_barriers=cfg.deq_slots),  # bf16 K tile ready (producer: wg 0 or memory wg)
+          plgpu.Barrier(num_barriers=cfg.deq_slots),  # bf16 V tile ready (producer: wg 1 or memory wg)
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=cfg.deq_slots),  # K slot read by both
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=cfg.deq_slots),  # V slot read by both
       ),)
     pl.run_scoped(
         lambda *args: kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, args),

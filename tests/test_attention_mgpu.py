@@ -90,6 +90,17 @@ def test_config_rejects_bad_fields():
     amg.MgpuConfig(shared_deq=True, overlap=False)
   with pytest.raises(ValueError, match="diagnostic"):
     amg.MgpuConfig(diagnostic="fast")
+  with pytest.raises(ValueError, match="deq_wg=True needs"):
+    amg.MgpuConfig(block_q=128, shared_deq=True, deq_wg=True)  # v_math is still "p_scale"
+  with pytest.raises(ValueError, match="deq_slots"):
+    amg.MgpuConfig(deq_slots=1)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    amg.MgpuConfig(compute_regs=230)
+  # 2 x 232 + 48 = 512 fits the SM's register file but not the pool allocated at launch
+  # (3 x 168): on the GPU the compute warpgroups' setmaxnreg would wait forever.
+  with pytest.raises(ValueError, match="exceeds 504"):
+    amg.MgpuConfig(compute_regs=232, memory_regs=48)
+  amg.MgpuConfig(compute_regs=232, memory_regs=40)  # jax's FA3 example split: 504
 
 
 @pytest.mark.gpu
