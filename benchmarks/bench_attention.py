@@ -45,7 +45,11 @@ from pallas_kernels.attention import packed_attention, packed_attention_referenc
 # default. Offline sm_90 compiles with triton 3.6 showed block_q=128 needs 8 warps (4
 # spill ~1.3 KB) and block_q=256 spills at any warp count, yet 256/16/1 measured
 # fastest on the H200 (3.24 s against 3.50 s for 128/8/3 at T = 152k).
+# The first entry is packed_attention's default call: on an H200 that is the Hopper fast
+# path (Mosaic-GPU for the full int4 blocks, Triton for the rest); the others force the
+# Triton kernel alone (backend="triton").
 SWEEP = [
+    (256, None, None, {}, "auto"),
     (256, 16, 1, {}),
     (128, 8, 3, {}),
     (128, 8, 2, {}),
@@ -81,7 +85,7 @@ def _versions():
   return v
 
 
-def _make_inputs(b, t, h, d, seed):
+def _make_inputs(b, t, h, d, seed, prefix_tokens=0):
   """Random rotated bf16 q and PackedKV (INT4, format-default schemes), built on the
   device; also returns bf16 k, v for the cuDNN baselines."""
   kq, kk, kv, ko = jax.random.split(jax.random.key(seed), 4)
@@ -89,7 +93,8 @@ def _make_inputs(b, t, h, d, seed):
   k = (jax.random.normal(kk, (b, t, h, d), jnp.float32)
        + jax.random.normal(ko, (d,), jnp.float32)).astype(jnp.bfloat16)  # DiT-like channel offsets
   v = jax.random.normal(kv, (b, t, h, d), jnp.bfloat16)
-  meta = fmt.PackedKVMeta(b, h, d, t, fmt.resolve_block_classes(t))
+  ranges = [(0, prefix_tokens, "int8")] if prefix_tokens else []
+  meta = fmt.PackedKVMeta(b, h, d, t, fmt.resolve_block_classes(t, ranges))
   quant = jax.jit(lambda k, v: fmt.quantize_reference(k, v, meta))
   packed = quant(k, v)  # the arrays are the format; k, v stay only for the baselines
   jax.block_until_ready(packed.arrays)
@@ -109,6 +114,8 @@ def main(argv=None):
   ap.add_argument("--varlen-segments", type=int, default=8,
                   help="also time a packed batch of this many equal segments (<= 1: skip)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--prefix-tokens", type=int, default=0,
+                  help="a conditioning prefix of this many tokens kept at int8 (H3's text/refs/audio)")
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny interpret-mode run on a CPU")
   ap.add_argument("--out", default=None,
                   help="default benchmarks/results/attention_h200.json (attention_cpu_smoke.json with --cpu-smoke)")
@@ -127,7 +134,8 @@ def main(argv=None):
   print(f"device={device} B={b} T={t} H={h} D={d} interpret={interpret}", flush=True)
 
   t0 = time.time()
-  q, k, v, packed = _make_inputs(b, t, h, d, args.seed)
+  q, k, v, packed = _make_inputs(b, t, h, d, args.seed, args.prefix_tokens)
+  class_counts = {c: len(packed.meta.slots(c)) for c in fmt.CLASSES}
   print(f"inputs built in {time.time() - t0:.1f}s; packed K/V {packed.nbytes() / 2**30:.3f} GiB "
         f"vs bf16 K+V {2 * k.nbytes / 2**30:.3f} GiB", flush=True)
 
@@ -138,11 +146,19 @@ def main(argv=None):
   ref = np.asarray(packed_attention_reference(q_sub, packed))
   check = {}
   results = []
-  for block_q, warps, stages, tune in SWEEP[: args.sweep]:
-    name = f"packed_int4 bq={block_q} w={warps} s={stages}" + (f" {tune}" if tune else "")
-    kw = dict(block_q=block_q, num_warps=warps, num_stages=stages, interpret=interpret, _tune=tune or None)
-    entry = {"impl": "packed_attention_int4", "block_q": block_q, "num_warps": warps, "num_stages": stages,
-             "tune": tune}
+  for block_q, warps, stages, tune, *backend in SWEEP[: args.sweep]:
+    backend = backend[0] if backend else "triton"
+    if backend == "auto":
+      name = "packed default (backend=auto)"
+    else:
+      name = f"packed triton bq={block_q} w={warps} s={stages}" + (f" {tune}" if tune else "")
+    kw = dict(block_q=block_q, num_warps=warps, num_stages=stages, interpret=interpret, _tune=tune or None,
+              backend=backend)
+    entry = {"impl": "packed_attention", "backend": backend, "block_q": block_q, "num_warps": warps,
+             "num_stages": stages, "tune": tune, "classes": class_counts}
+    if backend == "auto":
+      from pallas_kernels.attention import mgpu_unsupported_reason
+      entry["fast_path"] = mgpu_unsupported_reason(q, packed, interpret=interpret) or "used"
     try:
       out_sub = np.asarray(packed_attention(q_sub, packed, **kw), np.float32)
       entry["check_vs_reference"] = quality(out_sub, ref)

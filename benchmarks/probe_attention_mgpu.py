@@ -222,6 +222,7 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--seed", type=int, default=None, help="default: fresh random")
   ap.add_argument("--skip-baselines", action="store_true")
+  ap.add_argument("--skip-triton", action="store_true", help="time cuDNN and the FA3 example but not our Triton kernel")
   ap.add_argument("--watchdog", type=float, default=150.0,
                   help="seconds one step (compile + run) may take before the process dumps its stacks and "
                        "exits (a hung kernel); the JSON's 'current' names the step")
@@ -292,7 +293,7 @@ def main(argv=None):
     ref = np.asarray(packed_attention_reference(q, packed, keep_rotated=True), np.float32)
     key = f"B{b}_H{h}_T{t}"
     try:  # the Triton kernel on the same inputs, as a yardstick for the error level
-      tri = np.asarray(packed_attention(q, packed, keep_rotated=True).astype(jnp.float32))
+      tri = np.asarray(packed_attention(q, packed, keep_rotated=True, backend="triton").astype(jnp.float32))
       record["baselines"].setdefault("triton_check", {})[key] = quality(tri, ref)
     except Exception:  # noqa: BLE001
       record["baselines"].setdefault("triton_check", {})[key] = {"error": _err(traceback.format_exc())}
@@ -344,9 +345,11 @@ def main(argv=None):
   if not args.skip_baselines:
     cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
     record["baselines"]["cudnn_bf16"] = timed("jax cuDNN bf16", lambda: cud(q, k, v))
-    record["baselines"]["triton_packed_int4"] = timed(
-        "triton packed int4 (bq256 w16 s1)",
-        lambda: packed_attention(q, packed, keep_rotated=True, block_q=256, num_warps=16, num_stages=1))
+    if not args.skip_triton:
+      record["baselines"]["triton_packed_int4"] = timed(
+          "triton packed int4 (bq256 w16 s1)",
+          lambda: packed_attention(q, packed, keep_rotated=True, block_q=256, num_warps=16, num_stages=1,
+                                   backend="triton"))
     try:
       from jax.experimental.pallas.ops.gpu import attention_mgpu as jax_fa3
       cfg = jax_fa3.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2)

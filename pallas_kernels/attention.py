@@ -47,6 +47,22 @@ Kernel layout (why it looks like this)
   valid key gets l = 0 and outputs exactly 0.
 * Output un-rotation by ``R_v^T`` multiplies by the +-1 Hadamard matrix in bf16
   quadrants (exact) on a two-term bf16 split of the f32 output, then by 1/sqrt(D).
+
+Hopper fast path (``backend="auto"``, the default)
+-------------------------------------------------
+On an sm_90 GPU, for head_dim 128, the default K/V schemes, no segments or mask and
+Tq a multiple of 8 (``mgpu_unsupported_reason``), ``packed_attention`` runs two
+kernels over one online softmax (``_fast_path_call``):
+1. the Mosaic-GPU wgmma kernel (``attention_mgpu._attention_call``) over every full
+   int4 block for every whole 256-row q tile, writing its normalized output (rotated
+   basis) and its lse;
+2. this kernel with ``init``: it starts from (m = lse, l = 1, o), which is exactly the
+   state of an online softmax that has seen those keys, visits the int8 and bf16 blocks
+   and a ragged int4 last block, then finishes and un-rotates as usual;
+3. this kernel alone for the q rows past the last whole tile.
+The first pass's output crosses to the second in bf16 (one extra rounding of the int4
+part's output). With overwrite_q (or ``_out``) the first pass runs in head groups of 8
+into a small buffer, so the peak stays one Q plus 1/7 of one, not two.
 """
 from __future__ import annotations
 
@@ -62,7 +78,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import NamedInputs, dot, resolve_interpret, resolve_sm_scale, unrotate_halves
+from pallas_kernels.backend import NamedInputs, dot, on_gpu, resolve_interpret, resolve_sm_scale, unrotate_halves
 
 BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
@@ -210,11 +226,13 @@ class _Config:
   qk_scale: float          # sm_scale * log2(e)
   k_scheme: str
   v_scheme: str
-  classes: tuple           # ((class name, slot count), ...) for classes with slots
+  classes: tuple           # ((class name, first slot, slot count), ...): slots [first, count) are visited
   tail: tuple | None       # (class name, global block) of a ragged last block, else None
   has_segments: bool
   has_kv_mask: bool
   keep_rotated: bool
+  init: bool = False       # start from a first pass's state (o_prev, lse) instead of empty
+  q_tile_offset: int = 0   # program i handles q tile i + q_tile_offset
   convert: str = "magic"   # code -> bf16: "magic" (bit trick) or "cast" (int -> float)
   k_math: str = "f32"      # int4 K "channel" dequant arithmetic: "f32" or "bf16" (packed)
   v_exact: bool = True     # int4 V: subtract the magic offset from the codes (bf16, exact)
@@ -248,7 +266,7 @@ def _kernel(*refs, names, cfg: _Config):
   d, bq = cfg.head_dim, cfg.block_q
   half = d // 2
   lo, hi = pl.ds(0, half), pl.ds(half, half)
-  i = pl.program_id(0)
+  i = pl.program_id(0) + cfg.q_tile_offset
   q_rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
   row_ok = q_rows < cfg.tq
   row_mask = jnp.broadcast_to(row_ok[:, None], (bq, half))
@@ -371,18 +389,27 @@ def _kernel(*refs, names, cfg: _Config):
   carry = (jnp.full((bq,), _M_INIT, jnp.float32), jnp.zeros((bq,), jnp.float32),
            jnp.zeros((bq, half), jnp.float32), jnp.zeros((bq, half), jnp.float32),
            tuple(jnp.zeros((bq,), jnp.float32) for _ in range(v_groups)))
+  if cfg.init:
+    # A first pass over other keys left o = its normalized output and lse = m + log(l)
+    # (raw logit units, base 2 scaled by qk_scale): that is the state (m = lse, l = 1,
+    # o) of an online softmax that has seen those keys, so this pass simply continues.
+    lse = plgpu.load(r["lse"].at[q_tile], mask=row_ok, other=0.0)
+    o_lo = plgpu.load(r["o_prev"].at[q_tile, lo], mask=row_mask, other=0.0).astype(jnp.float32)
+    o_hi = plgpu.load(r["o_prev"].at[q_tile, hi], mask=row_mask, other=0.0).astype(jnp.float32)
+    carry = (lse, jnp.ones((bq,), jnp.float32), o_lo, o_hi, carry[4])
   masked = cfg.has_segments or cfg.has_kv_mask
-  for cls, n in cfg.classes:
+  for cls, first, n in cfg.classes:
     if masked:
+      assert first == 0, "segment/mask passes visit whole classes"
       # Only the slots that can hold a visible key for this q tile (slot_ranges).
       table = r["slots_" + cls]
       body = lambda s, c, cls=cls, table=table: tile(cls, s, c, blk=table[s])
       carry = lax.fori_loop(r["first_" + cls][i], r["stop_" + cls][i], body, carry)
       continue
     n_full = n - 1 if (cfg.tail is not None and cfg.tail[0] == cls) else n
-    if n_full > 0:
-      carry = lax.fori_loop(0, n_full, lambda s, c, cls=cls: tile(cls, s, c), carry)
-    if n_full < n:
+    if n_full > first:
+      carry = lax.fori_loop(first, n_full, lambda s, c, cls=cls: tile(cls, s, c), carry)
+    if n_full < n and n_full >= first:
       carry = tile(cls, n_full, carry, blk=cfg.tail[1])
 
   _, l, o_lo, o_hi, z = carry
@@ -396,31 +423,45 @@ def _kernel(*refs, names, cfg: _Config):
 
 
 def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated, interpret,
-                           block_q, num_warps, num_stages, tune=(), out=None, overwrite_q=False):
+                           block_q, num_warps, num_stages, tune=(), out=None, overwrite_q=False,
+                           q_tiles=None, head_offset=0, num_heads=None, init=None, class_first=None):
   """Build and run the pallas_call. ``out`` (optional) is aliased as the output buffer;
   ``overwrite_q`` aliases q itself (safe: each program reads its q tile before it
-  writes the same tile of the output, and no other program touches that tile)."""
+  writes the same tile of the output, and no other program touches that tile).
+
+  Partial passes (the Hopper fast path, ``_fast_path``): only q tiles
+  ``[q_tiles[0], q_tiles[1])`` and heads ``[head_offset, head_offset + num_heads)``
+  are computed (the rest of the aliased output is left as it is); ``class_first``
+  maps a class to the first slot to visit; ``init = (o_prev, lse)`` continues from a
+  first pass's normalized output (B, Tq, num_heads, D) and lse (B, num_heads, rows >=
+  the q tiles visited), and
+  ``o_prev is out`` means the pass reads and overwrites the same buffer.
+  """
   meta = packed.meta
   b, tq, h, d = q.shape
+  num_heads = h if num_heads is None else num_heads
+  t0, t1 = (0, pl.cdiv(tq, block_q)) if q_tiles is None else q_tiles
   masked = q_seg is not None or kv_mask is not None
-  classes = tuple((c, len(meta.slots(c))) for c in fmt.CLASSES if meta.slots(c))
+  starts = class_first or {}
+  classes = tuple((c, starts.get(c, 0), len(meta.slots(c))) for c in fmt.CLASSES if meta.slots(c))
   tail = None
   if meta.num_tokens % BLOCK:
     tail = (fmt.CLASSES[meta.block_classes[-1]], meta.num_blocks - 1)
   cfg = _Config(head_dim=d, tq=tq, tkv=meta.num_tokens, block_q=block_q, qk_scale=sm_scale * _LOG2E,
                 k_scheme=meta.k_scheme, v_scheme=meta.v_scheme, classes=classes, tail=tail,
                 has_segments=q_seg is not None, has_kv_mask=kv_mask is not None,
-                keep_rotated=keep_rotated, **dict(tune))
+                keep_rotated=keep_rotated, init=init is not None, q_tile_offset=t0, **dict(tune))
 
   inputs = NamedInputs()
   add = inputs.add
 
-  per_bh = lambda i, j, k: (k, j, 0, 0)
-  add("q", q, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
+  per_bh = lambda i, j, k: (k, j + head_offset, 0, 0)
+  bhtd = lambda i, j, k: (k, 0, j + head_offset, 0)
+  add("q", q, (None, tq, None, d), bhtd)
   if not keep_rotated:
     ht = fmt.hadamard_signs(d, meta.rotation_seed_v).T
     add("ht", jnp.asarray(ht, jnp.bfloat16), (d, d), lambda i, j, k: (0, 0))
-  for cls, n in classes:
+  for cls, _, n in classes:
     for role in ("k", "v"):
       if cls == "bf16":
         add(f"{role}_bf16", packed.arrays[f"{role}_bf16"], (None, None, n * BLOCK, d), per_bh)
@@ -438,7 +479,7 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
         # indexes a ref with a constant group number.
         for g in range(a.shape[2]):
           add(f"{role}_{part}{sfx}_g{g}", a, (None, None, None, a.shape[3]),
-              lambda i, j, k, g=g: (k, j, g, 0))
+              lambda i, j, k, g=g: (k, j + head_offset, g, 0))
     if masked:
       slots = meta.slots(cls)
       add("slots_" + cls, jnp.asarray(slots, jnp.int32), (n,), lambda i, j, k: (0,))
@@ -452,9 +493,18 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
   if kv_mask is not None:
     add("kv_valid", kv_mask.astype(jnp.int32), (None, meta.num_tokens), lambda i, j, k: (k, 0))
   aliases = {0: 0} if overwrite_q else {}
+  if init is not None:
+    o_prev, lse = init
+    add("lse", lse, (None, None, lse.shape[2]), lambda i, j, k: (k, j, 0))  # covers the init rows
+    if o_prev is out:  # read and overwritten in place: one buffer, passed once
+      assert o_prev.shape == q.shape and head_offset == 0 and num_heads == h
+      out = None
+      aliases = {len(inputs.args): 0}
+    # o_prev holds num_heads heads: indexed without the offset.
+    add("o_prev", o_prev, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
   if out is not None:
     aliases = {len(inputs.args): 0}
-    add("out_init", out, (None, tq, None, d), lambda i, j, k: (k, 0, j, 0))
+    add("out_init", out, (None, tq, None, d), bhtd)
 
   # Defaults per block_q: the fastest measured on the H200 at T = 152k
   # (results/attention_h200.json): 256 -> 16 warps, 1 stage (3.24 s); 128 -> 8 warps,
@@ -465,9 +515,9 @@ def _packed_attention_impl(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_
   kernel = functools.partial(_kernel, names=inputs.ref_names("out"), cfg=cfg)
   return pl.pallas_call(
       kernel,
-      grid=(pl.cdiv(tq, block_q), h, b),
+      grid=(t1 - t0, num_heads, b),
       in_specs=inputs.specs,
-      out_specs=pl.BlockSpec((None, tq, None, d), lambda i, j, k: (k, 0, j, 0)),
+      out_specs=pl.BlockSpec((None, tq, None, d), bhtd),
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -492,9 +542,116 @@ _packed_attention_jit = jax.jit(_packed_attention_call, static_argnames=_STATIC)
 _packed_attention_jit_donate_q = jax.jit(_packed_attention_call, static_argnames=_STATIC, donate_argnums=(0,))
 
 
+# --------------------------------------------------------------------------------------
+# Hopper fast path: the Mosaic-GPU (wgmma) kernel for the int4 keys, this kernel for the rest
+# --------------------------------------------------------------------------------------
+_MGPU_ROWS = 256       # q rows per CTA of the default Mosaic-GPU variant (2 warpgroups x 128)
+_MGPU_HEAD_GROUP = 8   # heads per Mosaic-GPU launch when the output goes into a given buffer
+
+
+def _int4_full_slots(meta) -> int:
+  """int4 slots that hold 64 live tokens (a ragged last block, if int4, is the last slot)."""
+  n4 = len(meta.slots("int4"))
+  ragged_int4 = meta.num_tokens % BLOCK and meta.block_classes[-1] == fmt.CLASS_ID["int4"]
+  return n4 - 1 if ragged_int4 else n4
+
+
+def mgpu_unsupported_reason(q, packed, *, masked=False, interpret=False):
+  """None if ``packed_attention``'s Hopper fast path can run these inputs, else why not."""
+  meta = packed.meta
+  tq = q.shape[1]
+  if meta.head_dim != 128:
+    return f"it supports head_dim 128, got {meta.head_dim}"
+  if meta.k_scheme != "channel" or meta.v_scheme != "token":
+    return f"it supports k_scheme 'channel' / v_scheme 'token', got {meta.k_scheme!r} / {meta.v_scheme!r}"
+  if masked:
+    return "segment ids and kv_mask run on the Triton kernel (varlen block skipping)"
+  if tq < _MGPU_ROWS:
+    return f"Tq={tq} is below one {_MGPU_ROWS}-row tile"
+  if tq % 8:
+    # Mosaic-GPU (jax 0.10-0.11) tiles the GMEM view of q and of the output in 8-row
+    # units for TMA and refuses a row count that is not a multiple of 8.
+    return f"Tq={tq} is not a multiple of 8 (Mosaic-GPU's TMA tiling of q and the output)"
+  if _int4_full_slots(meta) < 1:
+    return "there is no full int4 block"
+  if interpret or not on_gpu():
+    return "it needs a CUDA GPU (interpret mode runs the Triton kernel)"
+  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+  if not cc.startswith("9"):
+    return f"it needs a Hopper GPU (compute capability 9.x, wgmma), found {cc or 'unknown'}"
+  return None
+
+
+def _fast_path_call(q, packed, out, *, sm_scale, keep_rotated, block_q, num_warps, num_stages, tune,
+                    overwrite_q, variant, interpret=False, _first_pass=None):
+  """Mosaic-GPU over (full int4 blocks) x (whole 256-row q tiles), saving its lse; then
+  the Triton kernel continues those rows over the other blocks (int8, bf16, a ragged
+  int4 tail) and un-rotates, and computes the ragged q rows past the last whole tile.
+
+  Without a target buffer the Mosaic-GPU output is the result buffer, passed through
+  both Triton passes in place. With one (q's own buffer for overwrite_q, or ``out``),
+  heads go in groups of _MGPU_HEAD_GROUP: each group's first-pass state lives in a
+  small (B, Tq, group, D) buffer, and the continuation writes the target's heads of
+  that group, which no later pass reads. Peak memory is then the target plus that
+  group buffer (1/7 of a Q at H = 56), not a second Q.
+  ``interpret`` / ``_first_pass`` (a stand-in for the Mosaic-GPU call, such as
+  ``attention_mgpu.attention_call_reference``) let the CPU tests run the composition.
+  """
+  from pallas_kernels import attention_mgpu as amg
+
+  meta = packed.meta
+  b, tq, h, d = q.shape
+  cfg = amg.make_config(variant=variant)
+  sub = cfg.block_kv // BLOCK
+  kv_steps = _int4_full_slots(meta) // sub
+  int4_done = kv_steps * sub
+  rows = 2 * cfg.block_q  # q rows per CTA: two compute warpgroups
+  n_tiles = tq // rows
+  if n_tiles < 1:
+    raise ValueError(f"Tq={tq} is below one {rows}-row tile of variant {variant!r}")
+  bq = min(block_q, rows) if rows & (rows - 1) == 0 else math.gcd(block_q, rows)  # divides rows
+  cont_tiles = (0, n_tiles * rows // bq)
+  tail_tiles = (cont_tiles[1], pl.cdiv(tq, bq))
+  ops = amg.int4_store_operands(packed)
+  tri = functools.partial(_packed_attention_impl, packed=packed, sm_scale=sm_scale, q_seg=None, kv_seg=None,
+                          kv_mask=None, keep_rotated=keep_rotated, interpret=interpret, block_q=bq,
+                          num_warps=num_warps, num_stages=num_stages, tune=tune)
+  first = {"int4": int4_done}
+  mgpu = functools.partial(_first_pass or amg._attention_call, cfg=cfg, sm_scale=sm_scale, num_q_tiles=n_tiles,
+                           kv_steps=kv_steps, save_lse=True)
+
+  target = q if overwrite_q else out
+  if target is None:
+    o, lse = mgpu(q, *ops)
+    o = tri(q, init=(o, lse), out=o, q_tiles=cont_tiles, class_first=first)
+    if tail_tiles[0] < tail_tiles[1]:
+      o = tri(q, out=o, q_tiles=tail_tiles)
+    return o
+
+  # Into the target: the ragged q rows first (no later pass reads or writes them), then
+  # head groups. With overwrite_q the current buffer is both q and the output.
+  buf = target
+  qin = lambda: buf if overwrite_q else q
+  dest = lambda: None if overwrite_q else buf
+  if tail_tiles[0] < tail_tiles[1]:
+    buf = tri(qin(), out=dest(), overwrite_q=overwrite_q, q_tiles=tail_tiles)
+  group = max(g for g in range(1, min(h, _MGPU_HEAD_GROUP) + 1) if h % g == 0)
+  for h0 in range(0, h, group):
+    o, lse = mgpu(qin(), *ops, head_offset=h0, num_heads=group)
+    buf = tri(qin(), init=(o, lse), out=dest(), overwrite_q=overwrite_q, q_tiles=cont_tiles,
+              head_offset=h0, num_heads=group, class_first=first)
+  return buf
+
+
+_FAST_STATIC = ("sm_scale", "keep_rotated", "block_q", "num_warps", "num_stages", "tune", "overwrite_q",
+                "variant")
+_fast_path_jit = jax.jit(_fast_path_call, static_argnames=_FAST_STATIC)
+_fast_path_jit_donate_q = jax.jit(_fast_path_call, static_argnames=_FAST_STATIC, donate_argnums=(0,))
+
+
 def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
                      keep_rotated=False, overwrite_q=False, interpret=None, block_q=256, num_warps=None,
-                     num_stages=None, _tune=None, _out=None):
+                     num_stages=None, backend="auto", _tune=None, _out=None, _mgpu_variant=None):
   """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
 
   q: (B, Tq, H, D) bf16, already rotated by ``R_k`` (seed ``meta.rotation_seed_k``);
@@ -508,6 +665,13 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   larger jit, XLA reuses the buffer when q is dead after this call.
   block_q: query tile (power of two >= 16); num_warps/num_stages: Triton knobs,
   by default the fastest measured for the block_q (256: 16 warps, 1 stage).
+  backend: "auto" (default) runs the Hopper fast path when it applies
+  (``mgpu_unsupported_reason`` is None: an sm_90 GPU, head_dim 128, the default K/V
+  schemes, no segments or mask): the Mosaic-GPU wgmma kernel
+  (``attention_mgpu.py``) takes every full int4 block for every whole 256-row q tile,
+  and this Triton kernel continues its online softmax over the other blocks (int8,
+  bf16, a ragged int4 tail) and the ragged q rows. "triton" always runs this kernel
+  alone; "mgpu" asks for the fast path and raises if it cannot run.
   ``_tune`` (a dict of ``_Config`` code-generation variants, e.g.
   ``{"convert": "cast"}``) and ``_out`` (a buffer aliased as the output, for
   NaN-poisoning tests) are for tests and benchmarks.
@@ -523,8 +687,22 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
     raise ValueError(f"_out must be bfloat16{list(q.shape)}, got {_out.dtype}{list(_out.shape)}")
   if overwrite_q and _out is not None:
     raise ValueError("overwrite_q and _out both name the output buffer; pass one")
+  if backend not in ("auto", "triton", "mgpu"):
+    raise ValueError(f"backend must be 'auto', 'triton' or 'mgpu', got {backend!r}")
+  interpret = resolve_interpret(interpret)
+  if backend != "triton":
+    reason = mgpu_unsupported_reason(q, packed, masked=q_seg is not None or kv_mask is not None,
+                                     interpret=interpret)
+    if reason is not None and backend == "mgpu":
+      raise NotImplementedError(f"backend='mgpu' cannot run: {reason}; use backend='auto' or 'triton'")
+    if reason is None:
+      from pallas_kernels.attention_mgpu import DEFAULT_VARIANT
+      call = _fast_path_jit_donate_q if overwrite_q else _fast_path_jit
+      return call(q, packed, _out, sm_scale=sm_scale, keep_rotated=bool(keep_rotated), block_q=int(block_q),
+                  num_warps=num_warps, num_stages=num_stages, tune=tune, overwrite_q=bool(overwrite_q),
+                  variant=_mgpu_variant or DEFAULT_VARIANT)
   call = _packed_attention_jit_donate_q if overwrite_q else _packed_attention_jit
   return call(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
-              keep_rotated=bool(keep_rotated), interpret=resolve_interpret(interpret),
+              keep_rotated=bool(keep_rotated), interpret=interpret,
               block_q=int(block_q), num_warps=num_warps, num_stages=num_stages,
               tune=tune, overwrite_q=bool(overwrite_q))

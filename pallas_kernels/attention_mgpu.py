@@ -1,4 +1,4 @@
-"""PROTOTYPE: Hopper (sm_90) Mosaic-GPU flash attention over packed int4 K/V.
+"""Hopper (sm_90) Mosaic-GPU flash attention over packed int4 K/V.
 
 What it is
 ----------
@@ -13,11 +13,19 @@ The Triton kernel is at ~2.7x cuDNN and Pallas-Triton's own BF16 flash attention
 
 Scope (anything else raises ValueError / NotImplementedError)
 -------------------------------------------------------------
+``packed_attention_mgpu`` (the standalone entry point the probe times):
 * every 64-token block int4 (``block_classes`` all 0), K scheme ``channel``, V
   scheme ``token``, head_dim D = 128, bf16 q (B, Tq, H, D) in the rotated basis;
 * ``num_tokens`` a multiple of ``block_kv`` (64 or 128), so there are no padding rows;
 * Tq a multiple of ``2 * block_q`` (two compute warpgroups of ``block_q`` rows each);
 * no segments / masks; output in the rotated basis (``keep_rotated=True``), bf16.
+
+``_attention_call`` (what ``attention.packed_attention`` runs on Hopper, see its
+"Hopper fast path"): the first ``num_q_tiles`` q tiles, the first ``kv_steps`` steps of
+the int4 store, a head range, and the lse of the covered keys, so that the Triton
+kernel can continue the same online softmax over the int8 / bf16 blocks, a ragged int4
+tail and the ragged q rows. ``attention_call_reference`` is its float32 reference. Tq
+must be a multiple of 8 (Mosaic-GPU's TMA tiling of the q and output views).
 
 Design
 ------
@@ -83,17 +91,26 @@ bf16 rounding (``k_math="bf16"`` rounds s and z to bf16: cos about 0.99996 again
 float32 reference instead of 0.99999). ``DIAGNOSTIC_VARIANTS`` skip parts of the work
 and give wrong results on purpose: the probe times them to split the kernel's time.
 
-Status: every point of ``VARIANTS`` passed ``pytest -m gpu`` on an H200 (jax 0.11.2)
-when it was added; after the last change to shared code (K/V scale math in
-``scale_math``) the GPU run covered base, kbf16, no_overlap, shared_deq_8bit_kbf16,
-vtile, vtile_bf16 and vtile_bf16_nosched (``benchmarks/results/logs/pytest_gpu_mgpu_*``).
-The H200 times (T = 152,320, B = 1, H = 56) are in ``benchmarks/NOTES.md`` and
-``benchmarks/results/attention_mgpu_probe*.json``: the best is ``vtile_bf16_nosched``
-at about 1.45x cuDNN BF16, ``vtile`` at about 1.6x. On the CPU every variant lowers for
-CUDA and matches the reference in Mosaic-GPU interpret mode with race detection
-(``python -m benchmarks.probe_attention_mgpu --interpret-check``). It is not wired into
-``packed_attention``: it lacks masks, varlen, ragged T, mixed int8/bf16 classes and
-head_dim 64.
+* ``convert="magic"`` (variants ``*_magic*``): the code tiles are converted by inline
+  PTX on 32-bit words of code bytes (``_dequant_int4_magic``: prmt + lop3 make the
+  bf16 number 128 + code, one packed subtract, one FMA), instead of Mosaic's int8 ->
+  bf16 conversion of masked nibbles plus the scale math. With bf16 math the codes are
+  centered (code - 8) and the zero point becomes the group midpoint z + 8 s, whose bf16
+  rounding is far smaller: rel L2 against the float32 reference 5.4e-3, against 1.1e-2
+  before centering (``attention_mgpu_probe_9.json`` vs ``_10.json``).
+
+Status: the default ``DEFAULT_VARIANT = "deqwg_magic_bf16"`` (the memory warpgroup
+converts K and V with the inline PTX, bf16 math, 224/224/56 registers) runs at 1.467 s
+and 1.508 s in two H200 runs, 1.29x jax cuDNN BF16 in the second's same process
+(T = 152,320, B = 1, H = 56; ``benchmarks/results/attention_mgpu_probe_9b.json``,
+``_10.json``), with cos 0.999985 against the float32 reference. The previous best,
+``vtile_bf16_nosched``, was 1.45x. Every point of ``VARIANTS`` passed ``pytest -m gpu``
+when it was added, except the uncentered ``vtile_magic_bf16*`` points (rel L2 1.1e-2 >
+1e-2; centered since, not re-run); the ``deqwg_magic*`` points passed the probe's
+checks (``benchmarks/results/logs/probe10*.log``). On the CPU every variant lowers for
+CUDA; the cast variants also run in Mosaic-GPU interpret mode with race detection
+(``python -m benchmarks.probe_attention_mgpu --interpret-check``); inline PTX has no
+interpreter, so the PTX's bit logic was checked by emulation (tests/test_attention_mgpu.py).
 """
 from __future__ import annotations
 
@@ -102,6 +119,7 @@ import functools
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -149,6 +167,10 @@ class MgpuConfig:
   # tiles and the conversion leaves their instruction stream (module doc).
   deq_wg: bool = False
   deq_slots: int = 2              # shared_deq: depth of the shared bf16 K and V rings
+  # Code -> bf16 value tiles (K, and V with v_math="tile"): "cast" = Mosaic's int8 -> bf16
+  # conversion of the masked nibbles, then the scale math; "magic" = inline PTX on
+  # 32-bit words of code bytes (_dequant_int4_magic), about 40-60% fewer instructions.
+  convert: str = "cast"
   compute_regs: int = 232         # setmaxnreg of each compute warpgroup
   memory_regs: int = 40           # setmaxnreg of the memory warpgroup (2 * compute + memory <= 504)
 
@@ -174,6 +196,11 @@ class MgpuConfig:
       raise ValueError("shared_deq=True needs overlap=True (tiles are dequantized under the PV wgmma)")
     if self.deq_wg and not (self.shared_deq and self.v_math == "tile"):
       raise ValueError("deq_wg=True needs shared_deq=True and v_math='tile'")
+    if self.convert not in ("cast", "magic"):
+      raise ValueError(f"convert={self.convert!r} must be 'cast' or 'magic'")
+    if self.convert == "magic" and (self.codes_layout != "wgmma_8bit" or self.v_math != "tile"
+                                    or self.diagnostic):
+      raise ValueError("convert='magic' needs codes_layout='wgmma_8bit', v_math='tile' and no diagnostic")
     if self.deq_slots < 2:
       raise ValueError(f"deq_slots={self.deq_slots} must be >= 2")
     for name in ("compute_regs", "memory_regs"):
@@ -229,6 +256,35 @@ VARIANTS = {
     "deqwg_bkv128_bf16": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
                           "v_math": "tile", "deq_wg": True, "k_math": "bf16", "compute_regs": 200,
                           "memory_regs": 104},
+    # Inline-PTX code conversion (convert="magic") on the vtile and deqwg points.
+    "vtile_magic": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                    "convert": "magic"},
+    "vtile_magic_bf16": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                         "convert": "magic", "k_math": "bf16"},
+    "vtile_magic_bf16_nosched": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                                 "v_math": "tile", "convert": "magic", "k_math": "bf16",
+                                 "schedule_barrier": False},
+    "vtile_magic_nosched": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                            "v_math": "tile", "convert": "magic", "schedule_barrier": False},
+    "deqwg_magic_bf16": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                         "deq_wg": True, "convert": "magic", "k_math": "bf16", "compute_regs": 224,
+                         "memory_regs": 56},
+    "deqwg_magic_bf16_nosched": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                                 "v_math": "tile", "deq_wg": True, "convert": "magic", "k_math": "bf16",
+                                 "schedule_barrier": False, "compute_regs": 224, "memory_regs": 56},
+    "deqwg_magic_bf16_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                            "deq_wg": True, "convert": "magic", "k_math": "bf16", "deq_slots": 3,
+                            "compute_regs": 224, "memory_regs": 56},
+    "deqwg_magic_r216": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                         "deq_wg": True, "convert": "magic", "compute_regs": 216, "memory_regs": 72},
+    "deqwg_magic_bkv128_bf16": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                                "v_math": "tile", "deq_wg": True, "convert": "magic", "k_math": "bf16",
+                                "compute_regs": 200, "memory_regs": 104},
+    "deqwg_magic_bkv128": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                           "v_math": "tile", "deq_wg": True, "convert": "magic", "compute_regs": 200,
+                           "memory_regs": 104},
+    "deqwg_magic": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
+                    "deq_wg": True, "convert": "magic", "compute_regs": 224, "memory_regs": 56},
     # 3-deep bf16 rings at 64 keys: the converter may run two tiles ahead.
     "deqwg_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                  "deq_wg": True, "deq_slots": 3, "compute_regs": 224, "memory_regs": 56},
@@ -246,7 +302,7 @@ DIAGNOSTIC_VARIANTS = {
 
 # The fastest variant whose results match the reference at f32 K/V math (H200 probes,
 # benchmarks/NOTES.md); the bf16-math ones are faster but sit closer to the test bound.
-DEFAULT_VARIANT = "vtile"
+DEFAULT_VARIANT = "deqwg_magic_bf16"
 
 
 def make_config(block_q=None, block_kv=None, max_concurrent_steps=None, variant=DEFAULT_VARIANT) -> MgpuConfig:
@@ -310,28 +366,145 @@ def _nibbles_bf16(c):
   return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
 
 
-def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: float):
-  """q (B,Tq,H,D) bf16; kc/vc (B,H,T,64) int8; ks/kz (B,H,NB,D) f32; vs/vz (B,H,T) f32."""
-  batch, tq, heads, d = q.shape
+# PTX for one 32-bit word of code bytes b0..b3 (channels j..j+3 in the low nibbles,
+# j+64..j+67 in the high ones) -> four bf16x2 words: lo01, lo23, hi01, hi23. prmt puts
+# two bytes in the low byte of each 16-bit half; lop3 keeps their nibble and ORs in
+# 0x4300, which makes the bf16 number 128 + code (exact); then either one packed
+# subtract of 136 (code - 8, exact) and one packed FMA with the bf16 scale and the
+# group midpoint z + 8 s (bf16 math), or two f32 FMAs with z - 128 s and one pack (f32
+# math). About 2 (bf16) or 3.6 (f32) instructions per value, against about 3 and 5 for
+# Mosaic's int8 -> bf16 conversion plus the scale math.
+_PTX_UNPACK = """
+.reg .b32 w4, t<4>, x<4>, m128;
+.reg .f32 f<2>;
+mov.b32 m128, 0x43004300;
+shr.u32 w4, $4, 4;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+prmt.b32 t2, w4, 0, 0x4140;
+prmt.b32 t3, w4, 0, 0x4342;
+lop3.b32 x0, t0, 0x000F000F, m128, 0xEA;
+lop3.b32 x1, t1, 0x000F000F, m128, 0xEA;
+lop3.b32 x2, t2, 0x000F000F, m128, 0xEA;
+lop3.b32 x3, t3, 0x000F000F, m128, 0xEA;
+"""
+
+
+def dequant_ptx(math_dtype: str) -> tuple[str, str]:
+  """(PTX text, LLVM constraints) of the inline asm in ``_dequant_int4_magic``.
+
+  Operands: $0..$3 out (lo01, lo23, hi01, hi23, bf16x2); $4 the code word. bf16 math:
+  $5,$6 s_lo, $7,$8 z_lo + 8 s_lo, $9,$10 s_hi, $11,$12 z_hi + 8 s_hi (bf16x2 pairs
+  of channels (j, j+1), (j+2, j+3)). f32 math: $5..$8 s_lo, $9..$12 z_lo - 128 s_lo,
+  $13..$16 s_hi, $17..$20 z_hi - 128 s_hi (one f32 per channel j..j+3).
+  """
+  body = _PTX_UNPACK
+  if math_dtype == "bf16":
+    body += """
+mov.b32 m128, 0x43084308;
+sub.bf16x2 x0, x0, m128;
+sub.bf16x2 x1, x1, m128;
+sub.bf16x2 x2, x2, m128;
+sub.bf16x2 x3, x3, m128;
+fma.rn.bf16x2 $0, x0, $5, $7;
+fma.rn.bf16x2 $1, x1, $6, $8;
+fma.rn.bf16x2 $2, x2, $9, $11;
+fma.rn.bf16x2 $3, x3, $10, $12;
+"""
+    return "{\n" + body + "}\n", "=r,=r,=r,=r," + ",".join(["r"] * 9)
+  for k in range(4):  # bf16x2 word k holds channels (2k, 2k + 1) mod 4 of its half
+    s, z = (5, 9) if k < 2 else (13, 17)
+    e = 2 * (k % 2)
+    body += f"""
+shl.b32 f0, x{k}, 16;
+and.b32 f1, x{k}, 0xFFFF0000;
+fma.rn.f32 f0, f0, ${s + e}, ${z + e};
+fma.rn.f32 f1, f1, ${s + e + 1}, ${z + e + 1};
+cvt.rn.bf16x2.f32 ${k}, f1, f0;
+"""
+  return "{\n" + body + "}\n", "=r,=r,=r,=r,r," + ",".join(["f"] * 16)
+
+
+def _dequant_int4_magic(c, s_lo, z_lo, s_hi, z_hi, *, math_dtype, layout):
+  """(64, 64) int8 code bytes and (64, 64) broadcast scale/zero arrays (bf16 with the
+  zero shifted to z + 8 s, or f32 with z - 128 s; see dequant_ptx) -> (lo, hi) bf16 value tiles
+  [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi], all in ``layout`` (WGMMA_8BIT)."""
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import llvm, vector
+
+  out_t = plgpu.ShapeDtypeStruct(c.shape, jnp.bfloat16, layout=layout)
+
+  @plgpu.inline_mgpu(arg_types=(layout,) * 5, return_type=(out_t, out_t))
+  def convert(_, codes, s0, z0, s1, z1):
+    i32 = ir.IntegerType.get_signless(32)
+    f32 = ir.F32Type.get()
+    bf16 = ir.BF16Type.get()
+    words = lambda reg, n, ty: [vector.extract(vector.bitcast(ir.VectorType.get((n,), ty), reg),
+                                               dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                                for i in range(n)]
+    asm, cons = dequant_ptx(math_dtype)
+    lo_regs = np.empty_like(codes.registers)
+    hi_regs = np.empty_like(codes.registers)
+    for idx, reg in np.ndenumerate(codes.registers):
+      w = mgpu_utils.bitcast(reg, i32)
+      n, ty = (2, i32) if math_dtype == "bf16" else (4, f32)
+      ops = [w] + [x for a in (s0, z0, s1, z1) for x in words(a.registers[idx], n, ty)]
+      res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), ops, asm, cons)
+      out = [llvm.extractvalue(i32, res, [k]) for k in range(4)]
+      pair = lambda a, b: vector.bitcast(ir.VectorType.get((4,), bf16), mgpu_utils.vector_concat(
+          [vector.broadcast(ir.VectorType.get((1,), i32), a), vector.broadcast(ir.VectorType.get((1,), i32), b)]))
+      lo_regs[idx] = pair(out[0], out[1])
+      hi_regs[idx] = pair(out[2], out[3])
+    mk = lambda regs: mgpu.FragmentedArray(_registers=regs, _layout=codes.layout, _is_signed=None)
+    return mk(lo_regs), mk(hi_regs)
+
+  return convert(c, s_lo, z_lo, s_hi, z_hi)
+
+
+def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: float, num_q_tiles=None,
+                    kv_steps=None, head_offset=0, num_heads=None, save_lse=False):
+  """q (B,Tq,H,D) bf16; kc/vc (B,H,T,64) int8; ks/kz (B,H,NB,D) f32; vs/vz (B,H,T) f32.
+
+  Covers the first ``num_q_tiles`` tiles of 2 * block_q query rows (default all; rows
+  past them are left unwritten), the first ``kv_steps`` steps of block_kv keys (default
+  all) and heads [head_offset, head_offset + num_heads) (default all). Returns the
+  output (B, Tq, num_heads, D) bf16 in the rotated basis and, with ``save_lse``, the
+  log-sum-exp of the covered keys per covered row, (B, num_heads, num_q_tiles * 2 *
+  block_q) f32 in raw logit units
+  (log2-sum-exp2 of q.k * sm_scale * log2(e), divided by sm_scale * log2(e)): the state
+  a second pass over the other keys continues from (attention.py, ``init``).
+  """
+  batch, tq, all_heads, d = q.shape
+  heads = all_heads if num_heads is None else num_heads
   tkv = kc.shape[2]
   block_q, block_kv = cfg.block_q, cfg.block_kv
   nsub = block_kv // _SUB
-  kv_steps = tkv // block_kv
+  kv_steps = tkv // block_kv if kv_steps is None else kv_steps
+  if kv_steps < 1 or kv_steps * block_kv > tkv:
+    raise ValueError(f"kv_steps={kv_steps} of {block_kv} keys does not fit {tkv} stored keys")
   steps = min(cfg.max_concurrent_steps, kv_steps)
   qk_scale = sm_scale * _LOG2E
   codes_layout = _codes_layout(cfg)
   col_layout = codes_layout.reduce(0)  # (64,) per-channel vectors broadcast over rows
   row_layout = codes_layout.reduce(1)  # (64,) per-token vectors broadcast over columns
-  num_q_tiles = tq // (_COMPUTE_WGS * block_q)
+  if tq % 8:
+    raise ValueError(f"Tq={tq} must be a multiple of 8: Mosaic-GPU tiles the GMEM view of q and of the "
+                     "output in 8-row units for TMA")
+  num_q_tiles = tq // (_COMPUTE_WGS * block_q) if num_q_tiles is None else num_q_tiles
+  if num_q_tiles < 1 or num_q_tiles * _COMPUTE_WGS * block_q > tq:
+    raise ValueError(f"num_q_tiles={num_q_tiles} of {_COMPUTE_WGS * block_q} rows does not fit Tq={tq}")
 
-  def kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, scoped):
+  def kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, lse_ref, scoped):
     smem, loaded, consumed, schedule_barrier, *deq_bars = scoped
     deq_bars = deq_bars[0] if deq_bars else None  # shared_deq only
-    qo_smem2, kc_smem, ks_smem, kz_smem, vc_smem, vs_smem, vz_smem, kdeq2, vdeq2 = smem
+    qo_smem2, kc_smem, ks_smem, kz_smem, vc_smem, vs_smem, vz_smem, kdeq2, vdeq2, lse_smem2 = smem
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
     b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
+    h_out = lax.axis_index("heads")  # head of the output / lse
+    h = h_out + head_offset           # head of q and K/V
     q_tile = lax.axis_index("q_seq")
     wg_idx = lax.axis_index("wg")
     skip_convert = cfg.diagnostic.startswith("no_convert")
@@ -373,6 +546,20 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       dst[rows, pl.ds(0, _HALF)] = v_lo
       dst[rows, pl.ds(_HALF, _HALF)] = v_hi
 
+    def magic_math(dst, rows, c, s_lo, s_hi, z_lo, z_hi, *, bcast_dim):
+      """dst[rows] = [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi] via _dequant_int4_magic."""
+      shape = (_SUB, _HALF)
+      dt = jnp.bfloat16 if cfg.k_math == "bf16" else jnp.float32
+      if cfg.k_math == "f32":  # the PTX works on 128 + code: take 128 s off the zero, in f32
+        z_lo, z_hi = z_lo - 128.0 * s_lo, z_hi - 128.0 * s_hi
+      else:  # the PTX works on code - 8: the zero becomes the group midpoint z + 8 s
+        z_lo, z_hi = z_lo + 8.0 * s_lo, z_hi + 8.0 * s_hi
+      bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v.astype(dt), shape, [bcast_dim]), codes_layout)
+      lo, hi = _dequant_int4_magic(c, bc(s_lo), bc(z_lo), bc(s_hi), bc(z_hi), math_dtype=cfg.k_math,
+                                   layout=codes_layout)
+      dst[rows, pl.ds(0, _HALF)] = lo
+      dst[rows, pl.ds(_HALF, _HALF)] = hi
+
     def convert_k(slot, dst):
       """K codes + per-channel scales of TMA ring slot -> bf16 K tile dst."""
       for j in range(0 if skip_convert else nsub):
@@ -382,6 +569,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
         z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
         z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
+        if cfg.convert == "magic":
+          magic_math(dst, rows, c, s_lo, s_hi, z_lo, z_hi, bcast_dim=1)
+          continue
         lo, hi = _nibbles_bf16(c)
         if cfg.diagnostic == "k_noscale":
           dst[rows, pl.ds(0, _HALF)] = lo
@@ -405,6 +595,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
         s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
         z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
+        if cfg.convert == "magic":
+          magic_math(dst, rows, c, s, s, z, z, bcast_dim=0)
+          continue
         lo, hi = _nibbles_bf16(c)
         scale_math(dst, rows, lo, hi, s, s, z, z, bcast_dim=0)
 
@@ -612,8 +805,13 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         out = out + lax.broadcast_in_dim(z_i, shape, [0])
       out = out * lax.broadcast_in_dim(1.0 / l_i, shape, [0])
       qo_smem[...] = out.astype(jnp.bfloat16)
+      if save_lse:
+        lse_smem = lse_smem2.at[wg_idx]
+        lse_smem[...] = (m_i + jnp.log(l_i) * _LOG2E) * (1.0 / qk_scale)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_seq_base, block_q), h])
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_seq_base, block_q), h_out])
+      if save_lse:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h_out, pl.ds(q_seq_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg_idx == _COMPUTE_WGS)
@@ -674,7 +872,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.barrier_wait(v_consumed.at[tma_slot])
         issue_v(tma_step, tma_slot)
 
-  def entry(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref):
+  def entry(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, lse_ref=None):
     t16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16, 128-byte rows
     t8 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))    # int8, 64-byte rows
     ndeq = cfg.deq_slots if cfg.shared_deq else _COMPUTE_WGS
@@ -689,6 +887,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         # K bf16 / V codes bf16: one tile per wg, or with shared_deq a ring of deq_slots tiles.
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
+        plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32) if save_lse else None,  # lse per wg
     )
     deq_barriers = ()
     if cfg.shared_deq:
@@ -699,7 +898,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=cfg.deq_slots),  # V slot read by both
       ),)
     pl.run_scoped(
-        lambda *args: kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, args),
+        lambda *args: kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, lse_ref, args),
         smem,
         (
             plgpu.Barrier(num_arrivals=3, num_barriers=steps),  # K codes + scale + zero
@@ -720,28 +919,68 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     grid, grid_names = (num_q_tiles, heads, batch), ("q_seq", "heads", "batch")
   else:
     grid, grid_names = (heads, num_q_tiles, batch), ("heads", "q_seq", "batch")
-  return plgpu.kernel(
+  out_type = [jax.ShapeDtypeStruct((batch, tq, heads, d), jnp.bfloat16)]
+  if save_lse:
+    # seq minor-most, so each warpgroup's block_q values are one 1-D TMA copy; only the
+    # covered rows (a multiple of 2 * block_q: Mosaic-GPU needs 8-aligned minor dims).
+    out_type.append(jax.ShapeDtypeStruct((batch, heads, num_q_tiles * _COMPUTE_WGS * block_q), jnp.float32))
+  outs = plgpu.kernel(
       entry,
-      out_type=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+      out_type=out_type,
       grid=grid,
       grid_names=grid_names,
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, kc, ks, kz, vc, vs, vz)
+  return tuple(outs) if save_lse else outs[0]
+
+
+def attention_call_reference(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: float, num_q_tiles=None,
+                             kv_steps=None, head_offset=0, num_heads=None, save_lse=False):
+  """Float32 jnp reference of ``_attention_call`` (same operands and arguments).
+
+  Output rows past the covered q tiles, which the kernel leaves unwritten, are NaN
+  here, so a pass that should overwrite them and does not shows up in tests.
+  """
+  batch, tq, all_heads, d = q.shape
+  heads = all_heads if num_heads is None else num_heads
+  kv_steps = kc.shape[2] // cfg.block_kv if kv_steps is None else kv_steps
+  rows = (tq // (_COMPUTE_WGS * cfg.block_q) if num_q_tiles is None else num_q_tiles) * _COMPUTE_WGS * cfg.block_q
+  keys = kv_steps * cfg.block_kv
+  hs = slice(head_offset, head_offset + heads)
+  c = lax.bitcast_convert_type(kc[:, hs, :keys], jnp.uint8)
+  codes = lambda c: jnp.concatenate([c & 0xF, c >> 4], axis=-1).astype(jnp.float32)  # split-half
+  per_block = lambda a: jnp.repeat(a[:, hs, :keys // _SUB], _SUB, axis=2)
+  k = codes(c) * per_block(ks) + per_block(kz)                                     # (B, H, keys, D)
+  cv = lax.bitcast_convert_type(vc[:, hs, :keys], jnp.uint8)
+  v = codes(cv) * vs[:, hs, :keys, None] + vz[:, hs, :keys, None]
+  qf = q[:, :rows, hs].astype(jnp.float32)
+  s = jnp.einsum("bqhd,bhkd->bhqk", qf, k, precision=lax.Precision.HIGHEST)
+  lse = jax.nn.logsumexp(s * sm_scale, axis=-1) / sm_scale                          # raw logit units
+  p = jnp.exp((s - lse[..., None]) * sm_scale)
+  o = jnp.einsum("bhqk,bhkd->bqhd", p, v, precision=lax.Precision.HIGHEST)
+  out = jnp.full((batch, tq, heads, d), jnp.nan, jnp.float32).at[:, :rows].set(o).astype(jnp.bfloat16)
+  if not save_lse:
+    return out
+  return out, lse
+
+
+def int4_store_operands(packed):
+  """The int4 store of a PackedKV as the kernel's operands (kc, ks, kz, vc, vs, vz):
+  same-width bitcasts and reshapes, no data movement."""
+  a, meta = packed.arrays, packed.meta
+  b, h = meta.batch, meta.heads
+  rows = a["k_codes4"].shape[2]
+  kc = lax.bitcast_convert_type(a["k_codes4"], jnp.int8)
+  vc = lax.bitcast_convert_type(a["v_codes4"], jnp.int8)
+  return (kc, a["k_scale4"], a["k_zero4"], vc, a["v_scale4"].reshape(b, h, rows),
+          a["v_zero4"].reshape(b, h, rows))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sm_scale"))
 def _packed_attention_mgpu_jit(q, packed, *, cfg: MgpuConfig, sm_scale: float):
-  a = packed.arrays
-  b, h = packed.meta.batch, packed.meta.heads
-  t = packed.meta.num_tokens
-  # Same-width bitcasts and reshapes: no data movement.
-  kc = lax.bitcast_convert_type(a["k_codes4"], jnp.int8)
-  vc = lax.bitcast_convert_type(a["v_codes4"], jnp.int8)
-  vs = a["v_scale4"].reshape(b, h, t)
-  vz = a["v_zero4"].reshape(b, h, t)
-  return _attention_call(q, kc, a["k_scale4"], a["k_zero4"], vc, vs, vz, cfg=cfg, sm_scale=sm_scale)
+  return _attention_call(q, *int4_store_operands(packed), cfg=cfg, sm_scale=sm_scale)
 
 
 def packed_attention_mgpu(q, packed, *, block_q=None, block_kv=None, max_concurrent_steps=None,

@@ -113,3 +113,92 @@ def test_gpu_variant_matches_reference(seed, variant):
     assert np.isfinite(out).all(), f"seed={seed}: non-finite output"
     e, c = rel_err(out, ref), cosine(out, ref)
     assert e <= 1e-2 and c >= 0.99995, f"seed={seed} {variant} B={batch} T={t}: rel_err={e:.3e} cos={c:.7f}"
+
+
+# --------------------------------------------------------------------------------------
+# The inline PTX of convert="magic", run by a small emulator of the instructions it uses
+# (no interpreter runs inline asm): the exact text the kernel embeds, on random bytes.
+# --------------------------------------------------------------------------------------
+def _bf16_bits_to_f32(b):
+  return np.array([b << 16], np.uint32).view(np.float32)[0]
+
+
+def _f32_to_bf16_bits(x):  # round to nearest even, as cvt.rn / fma.rn do
+  u = int(np.array([x], np.float32).view(np.uint32)[0])
+  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _run_ptx(asm, operands):
+  import re
+  regs = {f"${i}": v for i, v in enumerate(operands)}
+  val = lambda t: regs[t] if t in regs else int(t, 0)
+  f32 = lambda u: np.array([u], np.uint32).view(np.float32)[0]
+  u32 = lambda x: int(np.array([x], np.float32).view(np.uint32)[0])
+  halves = lambda u: (_bf16_bits_to_f32(u & 0xFFFF), _bf16_bits_to_f32(u >> 16))
+  pack = lambda lo, hi: _f32_to_bf16_bits(lo) | _f32_to_bf16_bits(hi) << 16
+  for line in asm.splitlines():
+    line = line.strip().rstrip(";")
+    if not line or line in "{}" or line.startswith(".reg"):
+      continue
+    op, args = line.split(None, 1)
+    a = [x.strip() for x in args.split(",")]
+    d, src = a[0], [val(x) for x in a[1:]]
+    if op == "mov.b32":
+      r = src[0]
+    elif op == "shr.u32":
+      r = src[0] >> src[1]
+    elif op == "shl.b32":
+      r = (src[0] << src[1]) & 0xFFFFFFFF
+    elif op == "and.b32":
+      r = src[0] & src[1]
+    elif op == "prmt.b32":
+      pool = [(src[0] >> 8 * i) & 0xFF for i in range(4)] + [(src[1] >> 8 * i) & 0xFF for i in range(4)]
+      r = sum(pool[(src[2] >> 4 * i) & 0x7] << 8 * i for i in range(4))
+    elif op == "lop3.b32":
+      assert src[3] == 0xEA  # (a & b) | c
+      r = (src[0] & src[1]) | src[2]
+    elif op == "sub.bf16x2":
+      (a0, a1), (b0, b1) = halves(src[0]), halves(src[1])
+      r = pack(np.float32(a0 - b0), np.float32(a1 - b1))
+    elif op == "fma.rn.bf16x2":
+      (a0, a1), (b0, b1), (c0, c1) = halves(src[0]), halves(src[1]), halves(src[2])
+      r = pack(np.float32(np.float64(a0) * b0 + c0), np.float32(np.float64(a1) * b1 + c1))
+    elif op == "fma.rn.f32":
+      r = u32(np.float32(np.float64(f32(src[0])) * f32(src[1]) + f32(src[2])))
+    elif op == "cvt.rn.bf16x2.f32":
+      r = pack(f32(src[1]), f32(src[0]))  # a -> upper half, b -> lower half
+    else:
+      raise AssertionError(f"emulator lacks {op}")
+    regs[d] = r
+  return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("math_dtype", ["bf16", "f32"])
+def test_magic_ptx_dequantizes_split_half_codes(seed, math_dtype):
+  rng = np.random.default_rng(seed)
+  asm, cons = amg.dequant_ptx(math_dtype)
+  n_in = len(cons.split(",")) - 4
+  for _ in range(20):
+    b = rng.integers(0, 256, 4)
+    word = int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)
+    s_lo, s_hi = rng.uniform(0.01, 0.5, 4), rng.uniform(0.01, 0.5, 4)
+    z_lo, z_hi = rng.normal(size=4) * 3, rng.normal(size=4) * 3
+    bf = lambda x: _bf16_bits_to_f32(_f32_to_bf16_bits(np.float32(x)))
+    if math_dtype == "bf16":
+      pairs = lambda v: [_f32_to_bf16_bits(np.float32(v[i])) | _f32_to_bf16_bits(np.float32(v[i + 1])) << 16
+                         for i in (0, 2)]
+      ops = [word] + pairs(s_lo) + pairs(z_lo + 8 * s_lo) + pairs(s_hi) + pairs(z_hi + 8 * s_hi)
+      # the kernel's arithmetic: bf16 scale and midpoint, exact centered code, one rounding
+      want = lambda c, s, z: bf(np.float32(c - 8) * np.float64(bf(s)) + bf(z + 8 * s))
+    else:
+      f = lambda v: [int(np.array([x], np.float32).view(np.uint32)[0]) for x in v]
+      ops = [word] + f(s_lo) + f(z_lo - 128 * s_lo) + f(s_hi) + f(z_hi - 128 * s_hi)
+      want = lambda c, s, z: bf(np.float32(np.float64(128 + c) * np.float32(s) + np.float32(z - 128 * s)))
+    assert len(ops) == n_in
+    out = _run_ptx(asm, [0, 0, 0, 0] + ops)
+    got = [_bf16_bits_to_f32(w >> 16 * i & 0xFFFF) for w in out for i in (0, 1)]
+    lo, hi = [int(x) & 15 for x in b], [int(x) >> 4 for x in b]
+    expect = [want(lo[j], s_lo[j], z_lo[j]) for j in range(4)] + [want(hi[j], s_hi[j], z_hi[j]) for j in range(4)]
+    assert got == expect, (math_dtype, b, got, expect)
+    exact = [lo[j] * s_lo[j] + z_lo[j] for j in range(4)] + [hi[j] * s_hi[j] + z_hi[j] for j in range(4)]
+    np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2)  # the dequantized values themselves
