@@ -673,8 +673,9 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   bf16, a ragged int4 tail) and the ragged q rows. "triton" always runs this kernel
   alone; "mgpu" asks for the fast path and raises if it cannot run.
   ``_tune`` (a dict of ``_Config`` code-generation variants, e.g.
-  ``{"convert": "cast"}``) and ``_out`` (a buffer aliased as the output, for
-  NaN-poisoning tests) are for tests and benchmarks.
+  ``{"convert": "cast"}``; Triton passes only), ``_out`` (a buffer aliased as the
+  output, for NaN-poisoning tests) and ``_mgpu_variant`` (a name from
+  ``attention_mgpu.VARIANTS`` for the fast path's first pass) are for tests and benchmarks.
   """
   sm_scale, q_seg, kv_seg, kv_mask = _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask)
   if block_q < 16 or block_q & (block_q - 1):
@@ -696,7 +697,9 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
     if reason is not None and backend == "mgpu":
       raise NotImplementedError(f"backend='mgpu' cannot run: {reason}; use backend='auto' or 'triton'")
     if reason is None:
-      from pallas_kernels.attention_mgpu import DEFAULT_VARIANT
+      from pallas_kernels.attention_mgpu import DEFAULT_VARIANT, VARIANTS
+      if _mgpu_variant is not None and _mgpu_variant not in VARIANTS:
+        raise ValueError(f"unknown _mgpu_variant {_mgpu_variant!r}; use one of {sorted(VARIANTS)}")
       call = _fast_path_jit_donate_q if overwrite_q else _fast_path_jit
       return call(q, packed, _out, sm_scale=sm_scale, keep_rotated=bool(keep_rotated), block_q=int(block_q),
                   num_warps=num_warps, num_stages=num_stages, tune=tune, overwrite_q=bool(overwrite_q),
