@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import formats as fmt  # noqa: E402
 from benchmarks.quality import quality  # noqa: E402
 from benchmarks.run_info import package_versions  # noqa: E402
-from pallas_kernels.attention import packed_attention, packed_attention_reference  # noqa: E402
+from pallas_kernels.attention import mgpu_unsupported_reason, packed_attention, packed_attention_reference  # noqa: E402
 
 # (block_q, num_warps, num_stages, _tune); the first entry is packed_attention's
 # default. Offline sm_90 compiles with triton 3.6 showed block_q=128 needs 8 warps (4
@@ -157,7 +157,6 @@ def main(argv=None):
     entry = {"impl": "packed_attention", "backend": backend, "block_q": block_q, "num_warps": warps,
              "num_stages": stages, "tune": tune, "classes": class_counts}
     if backend == "auto":
-      from pallas_kernels.attention import mgpu_unsupported_reason
       entry["fast_path"] = mgpu_unsupported_reason(q, packed, interpret=interpret) or "used"
     try:
       out_sub = np.asarray(packed_attention(q_sub, packed, **kw), np.float32)

@@ -545,7 +545,6 @@ _packed_attention_jit_donate_q = jax.jit(_packed_attention_call, static_argnames
 # --------------------------------------------------------------------------------------
 # Hopper fast path: the Mosaic-GPU (wgmma) kernel for the int4 keys, this kernel for the rest
 # --------------------------------------------------------------------------------------
-_MGPU_ROWS = 256       # q rows per CTA of the default Mosaic-GPU variant (2 warpgroups x 128)
 _MGPU_HEAD_GROUP = 8   # heads per Mosaic-GPU launch when the output goes into a given buffer
 
 
@@ -556,18 +555,26 @@ def _int4_full_slots(meta) -> int:
   return n4 - 1 if ragged_int4 else n4
 
 
-def mgpu_unsupported_reason(q, packed, *, masked=False, interpret=False):
-  """None if ``packed_attention``'s Hopper fast path can run these inputs, else why not."""
+def _mgpu_tile_rows(variant) -> int:
+  """q rows per CTA of a Mosaic-GPU variant (its two compute warpgroups)."""
+  from pallas_kernels import attention_mgpu as amg
+  return 2 * amg.make_config(variant=variant or amg.DEFAULT_VARIANT).block_q
+
+
+def mgpu_unsupported_reason(q, packed, *, masked=False, interpret=False, variant=None):
+  """None if ``packed_attention``'s Hopper fast path (Mosaic-GPU ``variant``, default
+  ``attention_mgpu.DEFAULT_VARIANT``) can run these inputs, else why not."""
   meta = packed.meta
   tq = q.shape[1]
+  rows = _mgpu_tile_rows(variant)
   if meta.head_dim != 128:
     return f"it supports head_dim 128, got {meta.head_dim}"
   if meta.k_scheme != "channel" or meta.v_scheme != "token":
     return f"it supports k_scheme 'channel' / v_scheme 'token', got {meta.k_scheme!r} / {meta.v_scheme!r}"
   if masked:
     return "segment ids and kv_mask run on the Triton kernel (varlen block skipping)"
-  if tq < _MGPU_ROWS:
-    return f"Tq={tq} is below one {_MGPU_ROWS}-row tile"
+  if tq < rows:
+    return f"Tq={tq} is below one {rows}-row tile"
   if tq % 8:
     # Mosaic-GPU (jax 0.10-0.11) tiles the GMEM view of q and of the output in 8-row
     # units for TMA and refuses a row count that is not a multiple of 8.
@@ -605,11 +612,11 @@ def _fast_path_call(q, packed, out, *, sm_scale, keep_rotated, block_q, num_warp
   sub = cfg.block_kv // BLOCK
   kv_steps = _int4_full_slots(meta) // sub
   int4_done = kv_steps * sub
-  rows = 2 * cfg.block_q  # q rows per CTA: two compute warpgroups
+  rows = _mgpu_tile_rows(variant)
   n_tiles = tq // rows
   if n_tiles < 1:
     raise ValueError(f"Tq={tq} is below one {rows}-row tile of variant {variant!r}")
-  bq = min(block_q, rows) if rows & (rows - 1) == 0 else math.gcd(block_q, rows)  # divides rows
+  bq = math.gcd(block_q, rows)  # the Triton tile: a power of two dividing the Mosaic-GPU tile
   cont_tiles = (0, n_tiles * rows // bq)
   tail_tiles = (cont_tiles[1], pl.cdiv(tq, bq))
   ops = amg.int4_store_operands(packed)
@@ -692,14 +699,14 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
     raise ValueError(f"backend must be 'auto', 'triton' or 'mgpu', got {backend!r}")
   interpret = resolve_interpret(interpret)
   if backend != "triton":
+    from pallas_kernels.attention_mgpu import DEFAULT_VARIANT, VARIANTS
+    if _mgpu_variant is not None and _mgpu_variant not in VARIANTS:
+      raise ValueError(f"unknown _mgpu_variant {_mgpu_variant!r}; use one of {sorted(VARIANTS)}")
     reason = mgpu_unsupported_reason(q, packed, masked=q_seg is not None or kv_mask is not None,
-                                     interpret=interpret)
+                                     interpret=interpret, variant=_mgpu_variant)
     if reason is not None and backend == "mgpu":
       raise NotImplementedError(f"backend='mgpu' cannot run: {reason}; use backend='auto' or 'triton'")
     if reason is None:
-      from pallas_kernels.attention_mgpu import DEFAULT_VARIANT, VARIANTS
-      if _mgpu_variant is not None and _mgpu_variant not in VARIANTS:
-        raise ValueError(f"unknown _mgpu_variant {_mgpu_variant!r}; use one of {sorted(VARIANTS)}")
       call = _fast_path_jit_donate_q if overwrite_q else _fast_path_jit
       return call(q, packed, _out, sm_scale=sm_scale, keep_rotated=bool(keep_rotated), block_q=int(block_q),
                   num_warps=num_warps, num_stages=num_stages, tune=tune, overwrite_q=bool(overwrite_q),
