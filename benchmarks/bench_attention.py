@@ -260,7 +260,7 @@ def main(argv=None):
       print(f"{name:62s} {'error':>9s}  {e.get('error', '')[:60]}")
     else:
       print(f"{name:62s} {s:9.4f} {e['tflops']:8.1f} {ratio if ratio else float('nan'):12.3f}")
-  best = min((e for n, e in results if e["impl"] == "packed_attention_int4" and "seconds" in e),
+  best = min((e for n, e in results if e["impl"] == "packed_attention" and "seconds" in e),
              key=lambda e: e["seconds"], default=None)
   record = {
       "command": " ".join(["XLA_PYTHON_CLIENT_PREALLOCATE=" + os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", ""),

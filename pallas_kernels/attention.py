@@ -33,9 +33,11 @@ Kernel layout (why it looks like this)
   but rounds the zero point too: kernel-vs-reference error goes from ~4.4e-3 to
   ~7.5e-3 rel L2 on DiT-like data (the int4 error itself is ~5e-2). K "token" and
   V "token"/"token_g64" apply scales outside the dots:
-  ``S = (q @ c^T) * s_t + rowsum(q) * z_t`` and ``O += (p * s_t) @ c + p @ z_t``;
-  the V zero term is one number per row and group, so it accumulates in a
-  (block_q,) vector and joins O once at the end.
+  ``S = (q @ c^T) * s_t + rowsum(q) * z_t`` and
+  ``O += (p * s_t) @ (c - mid) + p @ (z_t + mid * s_t)`` (mid = 8 / 128: centered
+  codes keep the MMA accumulator near the size of the output, see ``pv``); the V zero
+  term is one number per row and group, so it accumulates in a (block_q,) vector and
+  joins O once at the end.
 * Offline sm_90 compiles of this kernel's Triton IR (pip triton 3.6, ptxas -v)
   guided the choices: block_q=128 needs num_warps=8 (no spill at num_stages=1, 24
   bytes at 2-3); the loop body went from ~1000 to ~720 SASS instructions per
@@ -51,7 +53,7 @@ Kernel layout (why it looks like this)
 Hopper fast path (``backend="auto"``, the default)
 -------------------------------------------------
 On an sm_90 GPU, for head_dim 128, the default K/V schemes, no segments or mask and
-Tq a multiple of 8 (``mgpu_unsupported_reason``), ``packed_attention`` runs two
+Tq of at least one 256-row tile (``mgpu_unsupported_reason``), ``packed_attention`` runs two
 kernels over one online softmax (``_fast_path_call``):
 1. the Mosaic-GPU wgmma kernel (``attention_mgpu._attention_call``) over every full
    int4 block for every whole 256-row q tile, writing its normalized output (rotated
@@ -84,6 +86,7 @@ BLOCK = fmt.BLOCK
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite, so exp2(m_prev - m_new) never sees inf - inf
 _INT4_OFFSET = 128.0  # bf16 0x4300 | c == 128 + c
+_CODE_MID = {"int4": 8.0, "int8": 128.0}  # V codes enter the dots as code - mid (v_exact)
 
 
 # --------------------------------------------------------------------------------------
@@ -235,7 +238,7 @@ class _Config:
   q_tile_offset: int = 0   # program i handles q tile i + q_tile_offset
   convert: str = "magic"   # code -> bf16: "magic" (bit trick) or "cast" (int -> float)
   k_math: str = "f32"      # int4 K "channel" dequant arithmetic: "f32" or "bf16" (packed)
-  v_exact: bool = True     # int4 V: subtract the magic offset from the codes (bf16, exact)
+  v_exact: bool = True     # V: dots on centered codes code - mid (bf16, exact); see pv()
 
 
 def _int4_halves(codes, convert: str):
@@ -339,10 +342,20 @@ def _kernel(*refs, names, cfg: _Config):
       v_hi = plgpu.load(r["v_bf16"].at[rows, hi], mask=vm, other=0.0 if vm is not None else None)
       return (dot(pb, v_lo) + o_lo, dot(pb, v_hi) + o_hi), z
     c_lo, c_hi, off = codes("v", cls, rows)
-    if off and cfg.v_exact:
-      c_lo = c_lo - jnp.asarray(off, jnp.bfloat16)
-      c_hi = c_hi - jnp.asarray(off, jnp.bfloat16)
+    if cfg.v_exact:
+      # Centered codes (code - mid, exact in bf16), so the running o holds sums of
+      # small numbers. Raw codes (mean ~mid) make o ~ sum p * mid * s, which the zero
+      # term cancels only at the end: at T = 152k, where the output is ~1e-3 of that,
+      # the H200's MMA accumulation error then reached 12% rel L2 (interpret mode, in
+      # exact f32, did not show it). The zero point becomes z + mid * s (the
+      # group's midpoint), applied with the f32 p: one (64,) FMA per tile, not a
+      # row sum of the rounded p * s (7% of the loop on the H200).
+      mid = _CODE_MID[cls]
+      c_lo = c_lo - jnp.asarray(off + mid, jnp.bfloat16)
+      c_hi = c_hi - jnp.asarray(off + mid, jnp.bfloat16)
       off = 0.0
+    else:
+      mid = 0.0
     sfx = "4" if cls == "int4" else "8"
     z = list(z)
     pss = []
@@ -356,6 +369,8 @@ def _kernel(*refs, names, cfg: _Config):
         scale = plgpu.load(sc_ref.at[rows], mask=valid, other=0.0)
         zero = plgpu.load(z_ref.at[rows], mask=valid, other=0.0)
       pg = (p * scale[None, :]).astype(jnp.bfloat16)
+      if mid:
+        zero = zero + mid * scale
       corr = (p * zero[None, :]).sum(-1)
       if off:  # the offset term uses the rounded pg, the exact partner of the dot
         corr = corr - off * pg.astype(jnp.float32).sum(-1)
@@ -575,10 +590,6 @@ def mgpu_unsupported_reason(q, packed, *, masked=False, interpret=False, variant
     return "segment ids and kv_mask run on the Triton kernel (varlen block skipping)"
   if tq < rows:
     return f"Tq={tq} is below one {rows}-row tile"
-  if tq % 8:
-    # Mosaic-GPU (jax 0.10-0.11) tiles the GMEM view of q and of the output in 8-row
-    # units for TMA and refuses a row count that is not a multiple of 8.
-    return f"Tq={tq} is not a multiple of 8 (Mosaic-GPU's TMA tiling of q and the output)"
   if _int4_full_slots(meta) < 1:
     return "there is no full int4 block"
   if interpret or not on_gpu():

@@ -24,8 +24,10 @@ Scope (anything else raises ValueError / NotImplementedError)
 "Hopper fast path"): the first ``num_q_tiles`` q tiles, the first ``kv_steps`` steps of
 the int4 store, a head range, and the lse of the covered keys, so that the Triton
 kernel can continue the same online softmax over the int8 / bf16 blocks, a ragged int4
-tail and the ragged q rows. ``attention_call_reference`` is its float32 reference. Tq
-must be a multiple of 8 (Mosaic-GPU's TMA tiling of the q and output views).
+tail and the ragged q rows. ``attention_call_reference`` is its float32 reference. Any
+Tq of at least one q tile: when Tq is not a multiple of 8, which TMA's 8-row tiling of
+the GMEM q and output views refuses, each warpgroup loads its q tile through registers
+and stores its output from them (once per q tile, off the key loop).
 
 Design
 ------
@@ -481,9 +483,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   codes_layout = _codes_layout(cfg)
   col_layout = codes_layout.reduce(0)  # (64,) per-channel vectors broadcast over rows
   row_layout = codes_layout.reduce(1)  # (64,) per-token vectors broadcast over columns
-  if tq % 8:
-    raise ValueError(f"Tq={tq} must be a multiple of 8: Mosaic-GPU tiles the GMEM view of q and of the "
-                     "output in 8-row units for TMA")
+  # TMA tiles the GMEM view of q and of the output in 8-row units and refuses another Tq;
+  # then q tiles come in through registers and outputs go out from them (once per tile).
+  q_by_tma = tq % 8 == 0
   num_q_tiles = tq // (_COMPUTE_WGS * block_q) if num_q_tiles is None else num_q_tiles
   if num_q_tiles < 1 or num_q_tiles * _COMPUTE_WGS * block_q > tq:
     raise ValueError(f"num_q_tiles={num_q_tiles} of {_COMPUTE_WGS * block_q} rows does not fit Tq={tq}")
@@ -609,7 +611,12 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       vdeq = vdeq2.at[wg_idx]
       q_seq_base = q_tile * (_COMPUTE_WGS * block_q) + wg_idx * block_q
 
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_seq_base, block_q), h], qo_smem, q_loaded.at[wg_idx])
+      q_rows = pl.ds(q_seq_base, block_q)
+      if q_by_tma:
+        plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h], qo_smem, q_loaded.at[wg_idx])
+      else:
+        qo_smem[...] = plgpu.load(q_ref.at[b, q_rows, h], (), layout=plgpu.Layout.WGMMA, optimized=False)
+        plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
 
       def dequant_k(slot, kdeq=kdeq):
         """Codes + per-channel scales of ring slot -> bf16 K tile in kdeq; frees the slot."""
@@ -728,7 +735,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       l_i, z_i, ps_i = row_vec(), row_vec(), row_vec()
       acc = plgpu.layout_cast(jnp.full((block_q, d), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
 
-      plgpu.barrier_wait(q_loaded.at[wg_idx])
+      if q_by_tma:
+        plgpu.barrier_wait(q_loaded.at[wg_idx])
       if cfg.deq_wg:
         pass  # the memory warpgroup produces every tile
       elif cfg.shared_deq:
@@ -796,12 +804,16 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         out = jnp.where(col >= _HALF, acc * (1.0 / 16.0) + 8.0 * ps_b, acc)
         out = out + lax.broadcast_in_dim(z_i, shape, [0])
       out = out * lax.broadcast_in_dim(1.0 / l_i, shape, [0])
-      qo_smem[...] = out.astype(jnp.bfloat16)
+      if q_by_tma:
+        qo_smem[...] = out.astype(jnp.bfloat16)
+      else:
+        out_ref[b, q_rows, h_out] = out.astype(jnp.bfloat16)
       if save_lse:
         lse_smem = lse_smem2.at[wg_idx]
         lse_smem[...] = (m_i + jnp.log(l_i) * _LOG2E) * (1.0 / qk_scale)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(q_seq_base, block_q), h_out])
+      if q_by_tma:
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, q_rows, h_out])
       if save_lse:
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h_out, pl.ds(q_seq_base, block_q)])
       plgpu.wait_smem_to_gmem(0)

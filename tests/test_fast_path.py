@@ -122,7 +122,7 @@ def test_backend_argument_and_fast_path_scope():
   assert "Tq=100" in reason(q[:, :100], packed)
   assert "head_dim" in reason(*_make_d64())
   q_odd, packed_odd = _make(0, tq=777, tkv=256, heads=1, token_ranges=())
-  assert "multiple of 8" in reason(q_odd, packed_odd)
+  assert reason(q_odd, packed_odd) == reason(q, packed)  # a ragged Tq is in scope
   q_i8, packed_i8 = _make(0, tq=256, tkv=256, heads=1, token_ranges=((0, 256, "int8"),))
   assert "no full int4" in reason(q_i8, packed_i8)
   if jax.default_backend() != "gpu":
@@ -134,19 +134,17 @@ def test_backend_argument_and_fast_path_scope():
 @pytest.mark.parametrize("mode", ["fresh", "overwrite_q", "given_buffer"])
 def test_fast_path_lowers_for_cuda(mode):
   """Both kernels of the composition lower for CUDA (Mosaic-GPU and Triton), the check
-  interpret mode cannot make; a ragged Tq that is not a multiple of 8 is refused with
-  the reason, at the Mosaic-GPU call."""
+  interpret mode cannot make: for Tq a multiple of 8 (q tiles by TMA) and for a Tq
+  that is not (TMA's 8-row GMEM tiling refuses it; q tiles go through registers)."""
   from benchmarks.probe_attention_mgpu import _ensure_device_info_for_cpu_lowering
   _ensure_device_info_for_cpu_lowering()
-  q, packed = _make(0, tq=776, tkv=700)
-  out = jnp.zeros(q.shape, jnp.bfloat16) if mode == "given_buffer" else None
   fn = functools.partial(attn._fast_path_call, sm_scale=0.1, keep_rotated=False, block_q=256, num_warps=None,
                          num_stages=None, tune=(), overwrite_q=mode == "overwrite_q", variant=amg.DEFAULT_VARIANT)
-  text = jax.jit(fn).trace(q, packed, out).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and "triton" in text.lower()
-  q_odd, packed_odd = _make(0, tq=777, tkv=700)
-  with pytest.raises(ValueError, match="multiple of 8"):
-    jax.jit(fn).trace(q_odd, packed_odd, None).lower(lowering_platforms=("cuda",))
+  for tq in (776, 777):
+    q, packed = _make(0, tq=tq, tkv=700)
+    out = jnp.zeros(q.shape, jnp.bfloat16) if mode == "given_buffer" else None
+    text = jax.jit(fn).trace(q, packed, out).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "triton" in text.lower(), tq
 
 
 def _make_d64():
@@ -159,7 +157,8 @@ def _make_d64():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fresh", "overwrite_q", "given_buffer"])
 @pytest.mark.parametrize("shape", [dict(tq=600, tkv=700), dict(tq=1024, tkv=1024, token_ranges=()),
-                                   dict(batch=2, tq=776, tkv=1500, heads=10, tail="bf16")])
+                                   dict(batch=2, tq=776, tkv=1500, heads=10, tail="bf16"),
+                                   dict(tq=777, tkv=700), dict(batch=2, tq=1029, tkv=1029, heads=3)])
 def test_gpu_fast_path_matches_reference(seed, mode, shape):
   q, packed = _make(seed, **shape)
   ref = packed_attention_reference(q, packed)
@@ -173,8 +172,9 @@ def test_gpu_fast_path_matches_reference(seed, mode, shape):
 
 
 @pytest.mark.gpu
-def test_gpu_partial_mgpu_call_matches_its_reference(seed):
-  q, packed = _make(seed, batch=2, tq=704, tkv=900, heads=5, token_ranges=())
+@pytest.mark.parametrize("tq", [704, 711])  # q tiles by TMA; through registers (711 % 8 != 0)
+def test_gpu_partial_mgpu_call_matches_its_reference(seed, tq):
+  q, packed = _make(seed, batch=2, tq=tq, tkv=900, heads=5, token_ranges=())
   cfg = amg.make_config()
   kw = dict(cfg=cfg, sm_scale=0.09, num_q_tiles=2, kv_steps=13, head_offset=1, num_heads=3, save_lse=True)
   ops = amg.int4_store_operands(packed)
@@ -182,4 +182,7 @@ def test_gpu_partial_mgpu_call_matches_its_reference(seed):
   o_ref, lse_ref = amg.attention_call_reference(q, *ops, **kw)
   _check(o[:, :512], o_ref[:, :512], f"{seed} o")
   assert lse.shape == lse_ref.shape == (2, 3, 512)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-4, atol=1e-3)
+  # lse is in raw logit units (~80 here); the kernel's bf16 K moves it by ~0.04 there,
+  # which scaled by sm_scale is a ~0.3% change of the softmax normalizer. Bound that.
+  lse_err = np.abs(np.asarray(lse) - np.asarray(lse_ref)).max() * kw["sm_scale"]
+  assert lse_err <= 1e-2, f"seed={seed}: lse off by {lse_err:.2e} in softmax units"
