@@ -27,7 +27,8 @@ kernel can continue the same online softmax over the int8 / bf16 blocks, a ragge
 tail and the ragged q rows. ``attention_call_reference`` is its float32 reference. Any
 Tq of at least one q tile: when Tq is not a multiple of 8, which TMA's 8-row tiling of
 the GMEM q and output views refuses, each warpgroup loads its q tile through registers
-and stores its output from them (once per q tile, off the key loop).
+and stores its output from them: 4% slower at T=152k, with more spills in the key
+loop (benchmarks/NOTES.md).
 
 Design
 ------
