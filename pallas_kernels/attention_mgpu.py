@@ -26,9 +26,10 @@ the int4 store, a head range, and the lse of the covered keys, so that the Trito
 kernel can continue the same online softmax over the int8 / bf16 blocks, a ragged int4
 tail and the ragged q rows. ``attention_call_reference`` is its float32 reference. Any
 Tq of at least one q tile: when Tq is not a multiple of 8, which TMA's 8-row tiling of
-the GMEM q and output views refuses, each warpgroup loads its q tile through registers
-and stores its output from them: 4% slower at T=152k, with more spills in the key
-loop (benchmarks/NOTES.md).
+the GMEM q and output views refuses, the memory warpgroup loads the q tiles through its
+registers into the same swizzled SMEM tiles, and each compute warpgroup stores its
+output from registers (benchmarks/NOTES.md: as fast as TMA at T=152k; the q load in
+the compute warpgroups cost 4%).
 
 Design
 ------
@@ -613,11 +614,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       q_seq_base = q_tile * (_COMPUTE_WGS * block_q) + wg_idx * block_q
 
       q_rows = pl.ds(q_seq_base, block_q)
-      if q_by_tma:
+      if q_by_tma:  # else the memory warpgroup fills qo_smem (load_q_tiles)
         plgpu.copy_gmem_to_smem(q_ref.at[b, q_rows, h], qo_smem, q_loaded.at[wg_idx])
-      else:
-        qo_smem[...] = plgpu.load(q_ref.at[b, q_rows, h], (), layout=plgpu.Layout.WGMMA, optimized=False)
-        plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
 
       def dequant_k(slot, kdeq=kdeq):
         """Codes + per-channel scales of ring slot -> bf16 K tile in kdeq; frees the slot."""
@@ -736,8 +734,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       l_i, z_i, ps_i = row_vec(), row_vec(), row_vec()
       acc = plgpu.layout_cast(jnp.full((block_q, d), 0, dtype=jnp.float32), plgpu.Layout.WGMMA)
 
-      if q_by_tma:
-        plgpu.barrier_wait(q_loaded.at[wg_idx])
+      plgpu.barrier_wait(q_loaded.at[wg_idx])
       if cfg.deq_wg:
         pass  # the memory warpgroup produces every tile
       elif cfg.shared_deq:
@@ -839,6 +836,24 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       for i in range(steps):
         issue_k(i, i)
         issue_v(i, i)
+
+      def load_q_tiles():
+        """Without TMA (Tq % 8 != 0): both compute warpgroups' q tiles through this
+        warpgroup's registers, in 64 x 64 pieces (its register budget is small). Done
+        here, not in the compute warpgroups: there it cost 4% at T=152k, with more
+        spills in their key loop."""
+        for w in range(_COMPUTE_WGS):
+          base = q_tile * (_COMPUTE_WGS * block_q) + w * block_q
+          for r0 in range(0, block_q, 64):
+            for c0 in range(0, d, 64):
+              piece = plgpu.load(q_ref.at[b, pl.ds(base + r0, 64), h, pl.ds(c0, 64)], (),
+                                 layout=plgpu.Layout.WGMMA, optimized=False)
+              qo_smem2.at[w, pl.ds(r0, 64), pl.ds(c0, 64)][...] = piece
+          plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
+          plgpu.barrier_arrive(q_loaded.at[w])
+
+      if not q_by_tma:
+        load_q_tiles()
 
       if cfg.deq_wg:
         # This warpgroup is the only reader of the code tiles: it converts step's K and V

@@ -182,7 +182,10 @@ def test_gpu_partial_mgpu_call_matches_its_reference(seed, tq):
   o_ref, lse_ref = amg.attention_call_reference(q, *ops, **kw)
   _check(o[:, :512], o_ref[:, :512], f"{seed} o")
   assert lse.shape == lse_ref.shape == (2, 3, 512)
-  # lse is in raw logit units (~80 here); the kernel's bf16 K moves it by ~0.04 there,
-  # which scaled by sm_scale is a ~0.3% change of the softmax normalizer. Bound that.
-  lse_err = np.abs(np.asarray(lse) - np.asarray(lse_ref)).max() * kw["sm_scale"]
-  assert lse_err <= 1e-2, f"seed={seed}: lse off by {lse_err:.2e} in softmax units"
+  # lse is in raw logit units; compared in softmax units (times sm_scale). The kernel's
+  # bf16 K (one rounding of (c - 8) s + (z + 8 s)) alone moves it, in a jnp emulation
+  # on these shapes over 4 seeds, by max 3e-3..1.2e-2 (the max logit of some row) and
+  # median 4.6e-4..4.8e-4; the H200 gave max 1.15e-2 on the seed whose emulation gave 1.15e-2.
+  lse_err = np.abs(np.asarray(lse) - np.asarray(lse_ref)) * kw["sm_scale"]
+  assert lse_err.max() <= 3e-2 and np.median(lse_err) <= 2e-3, \
+      f"seed={seed}: lse off by max {lse_err.max():.2e}, median {np.median(lse_err):.2e} in softmax units"
