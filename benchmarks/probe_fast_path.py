@@ -46,18 +46,16 @@ def main(argv=None):
   q, k, v, packed = _make_inputs(b, t, h, d, seed=0)
   sync = jax.block_until_ready
   sm_scale = d ** -0.5
-  cfg = amg.make_config(variant=amg.DEFAULT_VARIANT)
-  rows = attn._mgpu_tile_rows(amg.DEFAULT_VARIANT)
-  n_tiles = t // rows
-  kv_steps = attn._int4_full_slots(packed.meta) // (cfg.block_kv // attn.BLOCK)
+  plan = attn._fast_path_plan(packed.meta, t, 256, amg.DEFAULT_VARIANT)  # packed_attention's default block_q
   ops = amg.int4_store_operands(packed)
-  first = jax.jit(functools.partial(amg._attention_call, cfg=cfg, sm_scale=sm_scale, num_q_tiles=n_tiles,
-                                    kv_steps=kv_steps, save_lse=True))
+  first = jax.jit(functools.partial(amg._attention_call, cfg=plan.cfg, sm_scale=sm_scale,
+                                    num_q_tiles=plan.n_tiles, kv_steps=plan.kv_steps, save_lse=True))
   tri = functools.partial(attn._packed_attention_impl, sm_scale=sm_scale, q_seg=None, kv_seg=None, kv_mask=None,
-                          keep_rotated=False, interpret=False, block_q=256, num_warps=None, num_stages=None)
-  cont = jax.jit(lambda q, packed, o, lse: tri(q, packed, init=(o, lse), out=o, q_tiles=(0, n_tiles),
-                                               class_first={"int4": kv_steps * (cfg.block_kv // attn.BLOCK)}))
-  tail = jax.jit(lambda q, packed: tri(q, packed, q_tiles=(n_tiles, -(-t // 256))))
+                          keep_rotated=False, interpret=False, block_q=plan.block_q, num_warps=None,
+                          num_stages=None)
+  cont = jax.jit(lambda q, packed, o, lse: tri(q, packed, init=(o, lse), out=o, q_tiles=plan.cont_tiles,
+                                               class_first={"int4": plan.int4_done}))
+  tail = jax.jit(lambda q, packed: tri(q, packed, q_tiles=plan.tail_tiles))
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
   t8 = t // 8 * 8
   q8 = q[:, :t8]
@@ -69,7 +67,7 @@ def main(argv=None):
       (f"first pass, Tq={t} (q via registers)", lambda: first(q, *ops)),
       (f"first pass, Tq={t8} (q via TMA)", lambda: first(q8, *ops)),
       ("continuation (Triton, init from first pass)", lambda: cont(q, packed, o, lse)),
-      (f"ragged q rows {n_tiles * rows}..{t} (Triton)", lambda: tail(q, packed)),
+      (f"ragged q rows {plan.cont_tiles[1] * plan.block_q}..{t} (Triton)", lambda: tail(q, packed)),
   ]
   results = []
   for name, fn in cases:

@@ -600,6 +600,34 @@ def mgpu_unsupported_reason(q, packed, *, masked=False, interpret=False, variant
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _FastPathPlan:
+  """How the fast path splits the work (``_fast_path_plan``)."""
+  cfg: object            # the Mosaic-GPU variant's MgpuConfig
+  kv_steps: int          # Mosaic-GPU key steps (cfg.block_kv keys each) over the full int4 blocks
+  int4_done: int         # int4 slots those steps cover: the continuation starts there
+  n_tiles: int           # whole Mosaic-GPU q tiles
+  block_q: int           # the Triton passes' q tile
+  cont_tiles: tuple      # Triton q tiles [first, stop) of the continuation (the whole tiles)
+  tail_tiles: tuple      # Triton q tiles [first, stop) of the ragged q rows (may be empty)
+
+
+def _fast_path_plan(meta, tq, block_q, variant) -> _FastPathPlan:
+  from pallas_kernels import attention_mgpu as amg
+
+  cfg = amg.make_config(variant=variant)
+  sub = cfg.block_kv // BLOCK
+  kv_steps = _int4_full_slots(meta) // sub
+  rows = _mgpu_tile_rows(variant)
+  n_tiles = tq // rows
+  if n_tiles < 1:
+    raise ValueError(f"Tq={tq} is below one {rows}-row tile of variant {variant!r}")
+  bq = math.gcd(block_q, rows)  # the Triton tile: a power of two dividing the Mosaic-GPU tile
+  cont_tiles = (0, n_tiles * rows // bq)
+  return _FastPathPlan(cfg=cfg, kv_steps=kv_steps, int4_done=kv_steps * sub, n_tiles=n_tiles, block_q=bq,
+                       cont_tiles=cont_tiles, tail_tiles=(cont_tiles[1], pl.cdiv(tq, bq)))
+
+
 def _fast_path_call(q, packed, out, *, sm_scale, keep_rotated, block_q, num_warps, num_stages, tune,
                     overwrite_q, variant, interpret=False, _first_pass=None):
   """Mosaic-GPU over (full int4 blocks) x (whole 256-row q tiles), saving its lse; then
@@ -617,26 +645,16 @@ def _fast_path_call(q, packed, out, *, sm_scale, keep_rotated, block_q, num_warp
   """
   from pallas_kernels import attention_mgpu as amg
 
-  meta = packed.meta
   b, tq, h, d = q.shape
-  cfg = amg.make_config(variant=variant)
-  sub = cfg.block_kv // BLOCK
-  kv_steps = _int4_full_slots(meta) // sub
-  int4_done = kv_steps * sub
-  rows = _mgpu_tile_rows(variant)
-  n_tiles = tq // rows
-  if n_tiles < 1:
-    raise ValueError(f"Tq={tq} is below one {rows}-row tile of variant {variant!r}")
-  bq = math.gcd(block_q, rows)  # the Triton tile: a power of two dividing the Mosaic-GPU tile
-  cont_tiles = (0, n_tiles * rows // bq)
-  tail_tiles = (cont_tiles[1], pl.cdiv(tq, bq))
+  plan = _fast_path_plan(packed.meta, tq, block_q, variant)
+  cont_tiles, tail_tiles = plan.cont_tiles, plan.tail_tiles
   ops = amg.int4_store_operands(packed)
   tri = functools.partial(_packed_attention_impl, packed=packed, sm_scale=sm_scale, q_seg=None, kv_seg=None,
-                          kv_mask=None, keep_rotated=keep_rotated, interpret=interpret, block_q=bq,
+                          kv_mask=None, keep_rotated=keep_rotated, interpret=interpret, block_q=plan.block_q,
                           num_warps=num_warps, num_stages=num_stages, tune=tune)
-  first = {"int4": int4_done}
-  mgpu = functools.partial(_first_pass or amg._attention_call, cfg=cfg, sm_scale=sm_scale, num_q_tiles=n_tiles,
-                           kv_steps=kv_steps, save_lse=True)
+  first = {"int4": plan.int4_done}
+  mgpu = functools.partial(_first_pass or amg._attention_call, cfg=plan.cfg, sm_scale=sm_scale,
+                           num_q_tiles=plan.n_tiles, kv_steps=plan.kv_steps, save_lse=True)
 
   target = q if overwrite_q else out
   if target is None:

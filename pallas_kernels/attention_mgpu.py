@@ -486,7 +486,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   col_layout = codes_layout.reduce(0)  # (64,) per-channel vectors broadcast over rows
   row_layout = codes_layout.reduce(1)  # (64,) per-token vectors broadcast over columns
   # TMA tiles the GMEM view of q and of the output in 8-row units and refuses another Tq;
-  # then q tiles come in through registers and outputs go out from them (once per tile).
+  # then the memory warpgroup loads the q tiles through registers (load_q_tiles) and the
+  # compute warpgroups store their outputs from registers.
   q_by_tma = tq % 8 == 0
   num_q_tiles = tq // (_COMPUTE_WGS * block_q) if num_q_tiles is None else num_q_tiles
   if num_q_tiles < 1 or num_q_tiles * _COMPUTE_WGS * block_q > tq:
