@@ -280,6 +280,12 @@ VARIANTS = {
     "deqwg_magic_bkv128": {**_DEQWG_MAGIC, "block_q": 64, "block_kv": 128, "compute_regs": 200,
                            "memory_regs": 104},
     "deqwg_magic": {**_DEQWG_MAGIC},
+    # More registers for the compute warpgroups (ncu: the default spills in their key
+    # loop), fewer for the converter; and a 3-deep code ring. On the H200 none is faster:
+    # the converter then spills and the compute loop waits on it (benchmarks/NOTES.md).
+    "deqwg_magic_bf16_r232": {**_DEQWG_MAGIC, "k_math": "bf16", "compute_regs": 232, "memory_regs": 40},
+    "deqwg_magic_bf16_r240": {**_DEQWG_MAGIC, "k_math": "bf16", "compute_regs": 240, "memory_regs": 24},
+    "deqwg_magic_bf16_c3": {**_DEQWG_MAGIC, "k_math": "bf16", "max_concurrent_steps": 3},
     # 3-deep bf16 rings at 64 keys: the converter may run two tiles ahead.
     "deqwg_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                  "deq_wg": True, "deq_slots": 3, "compute_regs": 224, "memory_regs": 56},
@@ -292,6 +298,10 @@ DIAGNOSTIC_VARIANTS = {
     "diag_no_convert": {**VARIANTS["shared_deq_8bit"], "diagnostic": "no_convert"},
     "diag_no_convert_no_vmath": {**VARIANTS["shared_deq_8bit"], "diagnostic": "no_convert_no_vmath"},
     "diag_bkv128_no_convert": {**VARIANTS["shared_deq_bkv128"], "diagnostic": "no_convert"},
+    # The default's structure (the memory warpgroup converts, 224/224/56 registers) with
+    # the conversion left out: its barriers and commits stay. On the H200 it is exactly
+    # as fast as the default, so the conversion costs nothing where it is.
+    "diag_deqwg_no_convert": {**VARIANTS["deqwg_bf16"], "diagnostic": "no_convert"},
 }
 
 
