@@ -33,7 +33,8 @@ the compute warpgroups cost 4%).
 
 Design
 ------
-* One CTA = 3 warpgroups (as jax's ``ops/gpu/attention_mgpu.py``): warpgroups 0 and 1
+* One CTA = 3 warpgroups (as jax's ``ops/gpu/attention_mgpu.py``; 4 with
+  ``converter_wgs=2``): warpgroups 0 and 1
   each own ``block_q`` query rows; warpgroup 2 only issues TMA copies of the int4 code
   tiles (``block_kv`` x 64 bytes) and the small scale/zero rows into rings of
   ``max_concurrent_steps`` slots, guarded by "loaded" and "consumed" mbarriers.
@@ -88,6 +89,19 @@ Design
   only moves the registers allocated at launch (168 per thread for 3 warpgroups), so the
   three values must add up to at most 504; 2 x 224 + 64 = 512 hung on the H200 (a
   compute warpgroup's increase waits forever), which the CPU interpreter does not model.
+* ``bf16_scales=True`` (variants ``*_pk*``; convert="magic" with bf16 math): the wrapper
+  rounds the K/V scales and group midpoints (z + 8 s) to bf16 once, so the converter loads
+  them ready instead of loading f32 values and computing them per tile. The same bf16
+  values as before, so the same output bits; about 3% faster at the default point, for
+  bf16 copies of the scale arrays (+0.09 GiB peak in one H3 layer at T=152,263).
+* ``converter_wgs=2`` (variants ``deqwg2*``; needs deq_wg): two converting warpgroups,
+  one loading and converting every K tile (and the q tiles without TMA), the other every
+  V tile, in parallel. Four warpgroups get 128 registers each at launch, so
+  2 x compute + 2 x memory <= 512.
+* ``auto_barriers=False`` (variants ``*_nab``; needs deq_wg): compiled with Pallas'
+  ``unsafe_no_auto_barriers``, without the warpgroup barrier Pallas puts before and after
+  each SMEM store (8 of a converter's 9 barriers per step). The ordering these variants
+  rely on instead is written out at ``MgpuConfig.auto_barriers``.
 
 Variants (``variant=`` keyword, see ``VARIANTS``) exist so that one GPU run can
 compare a few design points; they only change code generation, never results beyond
@@ -103,18 +117,24 @@ and give wrong results on purpose: the probe times them to split the kernel's ti
   rounding is far smaller: rel L2 against the float32 reference 5.4e-3, against 1.1e-2
   before centering (``attention_mgpu_probe_9.json`` vs ``_10.json``).
 
-Status: the default ``DEFAULT_VARIANT = "deqwg_magic_bf16"`` (the memory warpgroup
-converts K and V with the inline PTX, bf16 math, 224/224/56 registers) runs at 1.467 s
-and 1.508 s in two H200 runs, 1.29x jax cuDNN BF16 in the second's same process
-(T = 152,320, B = 1, H = 56; ``benchmarks/results/attention_mgpu_probe_9b.json``,
-``_10.json``), with cos 0.999985 against the float32 reference. The previous best,
-``vtile_bf16_nosched``, was 1.45x. Every point of ``VARIANTS`` passed ``pytest -m gpu``
-when it was added, except the uncentered ``vtile_magic_bf16*`` points (rel L2 1.1e-2 >
-1e-2; centered since, not re-run); the ``deqwg_magic*`` points passed the probe's
-checks (``benchmarks/results/logs/probe10*.log``). On the CPU every variant lowers for
-CUDA; the cast variants also run in Mosaic-GPU interpret mode with race detection
-(``python -m benchmarks.probe_attention_mgpu --interpret-check``); inline PTX has no
-interpreter, so the PTX's bit logic was checked by emulation (tests/test_attention_mgpu.py).
+Status: the default ``DEFAULT_VARIANT = "deqwg_magic_bf16_pk"`` (the memory warpgroup
+converts K and V with the inline PTX, bf16 math, wrapper-rounded bf16 scales, 224/224/56
+registers) ran 1.411-1.447 s in six H200 runs at T = 152,320, B = 1, H = 56, which is
+1.225-1.251x jax cuDNN BF16 timed in the same processes (``attention_mgpu_probe_13.json``
+to ``_18.json``), with cos 0.999984-5 and rel L2 5.4-5.7e-3 against the float32 reference.
+The goal is 1.1x; it is not reached. Where the time goes (benchmarks/NOTES.md): at the
+default's 128 rows x 64 keys the skeleton without any conversion is as slow (1.47 s; the
+64-key QK^T wgmma reads both operands from SMEM at its full bandwidth), while at 64 rows x
+128 keys the skeleton runs at cuDNN's speed (``diag_deqwg2_bkv128_no_convert``: 1.155 s
+against 1.149 s, ``_17``) but converting the tiles, even on two warpgroups, brings it
+back to 1.42-1.49 s. Every point of ``VARIANTS`` passed ``pytest -m gpu``
+(``benchmarks/results/logs/pytest_gpu_mgpu_*.log``) except ``deqwg2_bkv128_pk_nosched``
+and ``deqwg2_bkv128_pk_c3``, which passed the probe's checks only (``probe17.log``). On
+the CPU every variant lowers for CUDA; the cast variants also run in Mosaic-GPU interpret
+mode with race detection (``python -m benchmarks.probe_attention_mgpu
+--interpret-check``); inline PTX has no interpreter, so the PTX's bit logic is checked
+by emulation (tests/test_attention_mgpu.py). The interpreter runs each warpgroup as one
+unit, so it cannot check the ``*_nab`` variants' ordering within a warpgroup.
 """
 from __future__ import annotations
 
@@ -140,9 +160,16 @@ _HEAD_DIM = 128
 _HALF = _HEAD_DIM // 2
 _SUB = fmt.BLOCK  # rows per dequantization sub-tile == quantization block (64)
 _COMPUTE_WGS = 2
-# Registers per thread at launch: 65536 / (3 warpgroups x 128 threads) rounded down to a
-# multiple of 8 = 168, so the three setmaxnreg values may add up to 3 x 168 = 504.
-_REG_POOL = 3 * (65536 // (3 * 128) // 8 * 8)
+
+
+def _reg_pool(num_wgs: int) -> int:
+  """Registers per thread allocated at launch for num_wgs warpgroups (65536 / (num_wgs x
+  128) rounded down to a multiple of 8), times num_wgs: what their setmaxnreg values may
+  add up to (3 warpgroups: 3 x 168 = 504; 4: 4 x 128 = 512)."""
+  return num_wgs * (65536 // (num_wgs * 128) // 8 * 8)
+
+
+_REG_POOL = _reg_pool(_COMPUTE_WGS + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +202,24 @@ class MgpuConfig:
   # conversion of the masked nibbles, then the scale math; "magic" = inline PTX on
   # 32-bit words of code bytes (_dequant_int4_magic), about 40-60% fewer instructions.
   convert: str = "cast"
+  # The wrapper rounds every K/V scale and group midpoint (z + 8 s) to bf16 once, so the
+  # converter loads them ready instead of computing them per tile (convert="magic" with
+  # k_math="bf16" only; the same bf16 values, so the same output bits).
+  bf16_scales: bool = False
+  # deq_wg: 2 splits the memory warpgroup's work between two warpgroups, one converting
+  # (and loading) every K tile, the other every V tile, in parallel (4 warpgroups).
+  converter_wgs: int = 1
+  # False: compile with Pallas' unsafe_no_auto_barriers, which drops the warpgroup barrier
+  # Pallas puts before and after every SMEM store (8 of the converter's 9 per step at 128
+  # keys; ncu, benchmarks/NOTES.md). deq_wg only, where every SMEM write is ordered by
+  # hand: a converter reads code slots and writes bf16 slots (never both), commit_smem
+  # (a fence and a warpgroup barrier) precedes each ready-arrive and each TMA refill of a
+  # slot it read (and each q-loaded arrive when it loads q without TMA), and the compute
+  # warpgroups write their out tiles only after their wgmmas on them have completed, then
+  # commit_smem before the TMA store.
+  auto_barriers: bool = True
   compute_regs: int = 232         # setmaxnreg of each compute warpgroup
-  memory_regs: int = 40           # setmaxnreg of the memory warpgroup (2 * compute + memory <= 504)
+  memory_regs: int = 40           # setmaxnreg of each memory warpgroup (the pool: __post_init__)
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_q <= 0:
@@ -205,18 +248,31 @@ class MgpuConfig:
     if self.convert == "magic" and (self.codes_layout != "wgmma_8bit" or self.v_math != "tile"
                                     or self.diagnostic):
       raise ValueError("convert='magic' needs codes_layout='wgmma_8bit', v_math='tile' and no diagnostic")
+    if self.bf16_scales and not (self.convert == "magic" and self.k_math == "bf16"):
+      raise ValueError("bf16_scales=True needs convert='magic' and k_math='bf16'")
     if self.deq_slots < 2:
       raise ValueError(f"deq_slots={self.deq_slots} must be >= 2")
+    if self.converter_wgs not in (1, 2):
+      raise ValueError(f"converter_wgs={self.converter_wgs} must be 1 or 2")
+    if self.converter_wgs == 2 and not self.deq_wg:
+      raise ValueError("converter_wgs=2 needs deq_wg=True (only converters are split)")
+    if not self.auto_barriers and not self.deq_wg:
+      raise ValueError("auto_barriers=False needs deq_wg=True (the only structure whose SMEM "
+                       "writes are ordered without Pallas' automatic barriers)")
     for name in ("compute_regs", "memory_regs"):
       n = getattr(self, name)
       if n % 8 or not 24 <= n <= 256:
         raise ValueError(f"{name}={n} must be a multiple of 8 in [24, 256] (setmaxnreg)")
-    total = _COMPUTE_WGS * self.compute_regs + self.memory_regs
-    if total > _REG_POOL:
+    total = _COMPUTE_WGS * self.compute_regs + self.converter_wgs * self.memory_regs
+    wgs = _COMPUTE_WGS + self.converter_wgs
+    pool = _reg_pool(wgs)
+    if total > pool:
       # setmaxnreg only moves the registers allocated at launch between warpgroups: a
       # compute warpgroup's "increase" past the pool waits forever (a hang, not an error).
-      raise ValueError(f"2 * compute_regs + memory_regs = {total} exceeds {_REG_POOL}, the registers per "
-                       f"thread allocated at launch for 3 warpgroups (3 x {_REG_POOL // 3}); lower one of them")
+      mem = "memory_regs" if self.converter_wgs == 1 else "2 * memory_regs"
+      raise ValueError(f"2 * compute_regs + {mem} = {total} exceeds {pool}, the registers per "
+                       f"thread allocated at launch for {wgs} warpgroups ({wgs} x {pool // wgs}); "
+                       "lower one of them")
 
 
 # The common fields of the convert="magic" points: vtile with the inline-PTX conversion,
@@ -224,6 +280,9 @@ class MgpuConfig:
 _VTILE_MAGIC = {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                 "convert": "magic"}
 _DEQWG_MAGIC = {**_VTILE_MAGIC, "deq_wg": True, "compute_regs": 224, "memory_regs": 56}
+# 64 rows x 128 keys with bf16 scales and two converter warpgroups (2 x 200 + 2 x 56 = 512).
+_DEQWG2_BKV128_PK = {**_DEQWG_MAGIC, "block_q": 64, "block_kv": 128, "k_math": "bf16", "bf16_scales": True,
+                     "converter_wgs": 2, "compute_regs": 200, "memory_regs": 56}
 
 # Named design points for the probe. Each entry sets MgpuConfig fields; explicit
 # block_q / block_kv / max_concurrent_steps arguments override them.
@@ -286,6 +345,42 @@ VARIANTS = {
     "deqwg_magic_bf16_r232": {**_DEQWG_MAGIC, "k_math": "bf16", "compute_regs": 232, "memory_regs": 40},
     "deqwg_magic_bf16_r240": {**_DEQWG_MAGIC, "k_math": "bf16", "compute_regs": 240, "memory_regs": 24},
     "deqwg_magic_bf16_c3": {**_DEQWG_MAGIC, "k_math": "bf16", "max_concurrent_steps": 3},
+    # Scales and midpoints rounded to bf16 by the wrapper (fewer converter instructions),
+    # at the default's point and at 128 keys per step, where the converter is the limit.
+    "deqwg_magic_bf16_pk": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True},
+    "deqwg_magic_bkv128_bf16_pk": {**_DEQWG_MAGIC, "block_q": 64, "block_kv": 128, "k_math": "bf16",
+                                   "bf16_scales": True, "compute_regs": 200, "memory_regs": 104},
+    # The register split, code-ring depth and bf16-ring depth again with the lighter
+    # converter (it may now fit in 40 registers).
+    "deqwg_magic_bf16_pk_r232": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True,
+                                 "compute_regs": 232, "memory_regs": 40},
+    "deqwg_magic_bf16_pk_c3": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True,
+                               "max_concurrent_steps": 3},
+    "deqwg_magic_bf16_pk_s3": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True, "deq_slots": 3},
+    # Two converter warpgroups (K and V in parallel, 4 warpgroups, 512 registers): at 64
+    # rows x 128 keys (compute 200, as deqwg_magic_bkv128_bf16_pk), where one converter is
+    # the limit, and at the default's 128 x 64 (compute 216: two converters need 80).
+    "deqwg2_bkv128_pk": {**_DEQWG2_BKV128_PK},
+    "deqwg2_bkv128_pk_r208": {**_DEQWG2_BKV128_PK, "compute_regs": 208, "memory_regs": 48},
+    "deqwg2_bkv128_pk_r192": {**_DEQWG2_BKV128_PK, "compute_regs": 192, "memory_regs": 64},
+    "deqwg2_bkv128_pk_r184": {**_DEQWG2_BKV128_PK, "compute_regs": 184, "memory_regs": 72},
+    "deqwg2_bkv128_pk_r176": {**_DEQWG2_BKV128_PK, "compute_regs": 176, "memory_regs": 80},
+    "deqwg2_bkv128_pk_r168": {**_DEQWG2_BKV128_PK, "compute_regs": 168, "memory_regs": 88},
+    "deqwg2_pk_r216": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True, "converter_wgs": 2,
+                       "compute_regs": 216, "memory_regs": 40},
+    # The same split with Mosaic's cast conversion: it runs in the CPU interpreter, which
+    # checks the four warpgroups' barriers (the inline PTX has no interpreter).
+    "deqwg2_bkv128": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
+                      "v_math": "tile", "deq_wg": True, "converter_wgs": 2, "compute_regs": 200, "memory_regs": 56},
+    # 64 x 128 with two converters, without the FA3 ping-pong, and with a 3-deep code ring.
+    "deqwg2_bkv128_pk_nosched": {**_DEQWG2_BKV128_PK, "schedule_barrier": False},
+    "deqwg2_bkv128_pk_c3": {**_DEQWG2_BKV128_PK, "max_concurrent_steps": 3},
+    # Without Pallas' automatic warpgroup barriers around every SMEM store (auto_barriers).
+    "deqwg_magic_bf16_pk_nab": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True, "auto_barriers": False},
+    "deqwg2_bkv128_pk_nab": {**_DEQWG2_BKV128_PK, "auto_barriers": False},
+    "deqwg2_bkv128_pk_r176_nab": {**_DEQWG2_BKV128_PK, "compute_regs": 176, "memory_regs": 80,
+                                  "auto_barriers": False},
+    "deqwg2_bkv128_pk_nosched_nab": {**_DEQWG2_BKV128_PK, "schedule_barrier": False, "auto_barriers": False},
     # 3-deep bf16 rings at 64 keys: the converter may run two tiles ahead.
     "deqwg_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                  "deq_wg": True, "deq_slots": 3, "compute_regs": 224, "memory_regs": 56},
@@ -299,16 +394,22 @@ DIAGNOSTIC_VARIANTS = {
     "diag_no_convert_no_vmath": {**VARIANTS["shared_deq_8bit"], "diagnostic": "no_convert_no_vmath"},
     "diag_bkv128_no_convert": {**VARIANTS["shared_deq_bkv128"], "diagnostic": "no_convert"},
     # The default's structure (the memory warpgroup converts, 224/224/56 registers) with
-    # the conversion left out: its barriers and commits stay. On the H200 it is exactly
-    # as fast as the default, so the conversion costs nothing where it is.
+    # the conversion left out: its barriers and commits stay. On the H200 it is as fast as
+    # the converting kernel (1.47-1.48 s): at 64 keys per step the skeleton is the limit.
     "diag_deqwg_no_convert": {**VARIANTS["deqwg_bf16"], "diagnostic": "no_convert"},
+    # The same skeletons at 64 rows x 128 keys, with one and with two converter warpgroups:
+    # 1.16 s, cuDNN's speed (probe_17), so at 128 keys the conversion is the limit.
+    "diag_deqwg_bkv128_no_convert": {**VARIANTS["deqwg_bkv128"], "diagnostic": "no_convert"},
+    "diag_deqwg2_bkv128_no_convert": {**VARIANTS["deqwg2_bkv128"], "diagnostic": "no_convert"},
 }
 
 
-# The fastest variant measured on the H200 (benchmarks/NOTES.md): bf16 K/V math with the
-# centered zero point, rel L2 5.4e-3 against the float32 reference, inside the GPU
-# tests' 1e-2 bound (the f32-math deqwg points are slower: 56 registers are too few).
-DEFAULT_VARIANT = "deqwg_magic_bf16"
+# The fastest variant measured on the H200 across runs (benchmarks/NOTES.md): bf16 K/V
+# math with the centered zero point and wrapper-rounded scales, rel L2 5.4e-3 against the
+# float32 reference, inside the GPU tests' 1e-2 bound (the f32-math deqwg points are
+# slower: 56 registers are too few). deqwg2_bkv128_pk_nab beat it by 1.4% once (probe_18),
+# inside the run-to-run spread, so the default stayed.
+DEFAULT_VARIANT = "deqwg_magic_bf16_pk"
 
 
 def make_config(block_q=None, block_kv=None, max_concurrent_steps=None, variant=DEFAULT_VARIANT) -> MgpuConfig:
@@ -502,6 +603,10 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   num_q_tiles = tq // (_COMPUTE_WGS * block_q) if num_q_tiles is None else num_q_tiles
   if num_q_tiles < 1 or num_q_tiles * _COMPUTE_WGS * block_q > tq:
     raise ValueError(f"num_q_tiles={num_q_tiles} of {_COMPUTE_WGS * block_q} rows does not fit Tq={tq}")
+  if cfg.bf16_scales:  # the rounding magic_math does per tile, done once here (exact 8 s in f32)
+    ks, kz = ks.astype(jnp.bfloat16), (kz + 8.0 * ks).astype(jnp.bfloat16)
+    vs, vz = vs.astype(jnp.bfloat16), (vz + 8.0 * vs).astype(jnp.bfloat16)
+  scale_dtype = jnp.bfloat16 if cfg.bf16_scales else jnp.float32
 
   def kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, lse_ref, scoped):
     smem, loaded, consumed, schedule_barrier, *deq_bars = scoped
@@ -557,7 +662,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       """dst[rows] = [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi] via _dequant_int4_magic."""
       shape = (_SUB, _HALF)
       dt = jnp.bfloat16 if cfg.k_math == "bf16" else jnp.float32
-      if cfg.k_math == "f32":  # the PTX works on 128 + code: take 128 s off the zero, in f32
+      if cfg.bf16_scales:  # already the bf16 scale and midpoint (_attention_call)
+        pass
+      elif cfg.k_math == "f32":  # the PTX works on 128 + code: take 128 s off the zero, in f32
         z_lo, z_hi = z_lo - 128.0 * s_lo, z_hi - 128.0 * s_hi
       else:  # the PTX works on code - 8: the zero becomes the group midpoint z + 8 s
         z_lo, z_hi = z_lo + 8.0 * s_lo, z_hi + 8.0 * s_hi
@@ -827,8 +934,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h_out, pl.ds(q_seq_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg_idx == _COMPUTE_WGS)
-    def _memory_wg():
+    def memory_wg(do_k, do_v):
+      """TMA for the K (do_k) and / or V (do_v) code rings; with deq_wg also their
+      conversion. One memory warpgroup does both, or with converter_wgs=2 one each."""
       plgpu.set_max_registers(cfg.memory_regs, action="decrease")
 
       def issue_k(step, slot):
@@ -845,8 +953,10 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.copy_gmem_to_smem(vz_ref.at[b, h, keys], vz_smem.at[slot], bar)
 
       for i in range(steps):
-        issue_k(i, i)
-        issue_v(i, i)
+        if do_k:
+          issue_k(i, i)
+        if do_v:
+          issue_v(i, i)
 
       def load_q_tiles():
         """Without TMA (Tq % 8 != 0): both compute warpgroups' q tiles through this
@@ -863,7 +973,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
           plgpu.commit_smem()  # generic-proxy writes -> visible to wgmma
           plgpu.barrier_arrive(q_loaded.at[w])
 
-      if not q_by_tma:
+      if not q_by_tma and do_k:
         load_q_tiles()
 
       if cfg.deq_wg:
@@ -877,21 +987,25 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         def _deq_loop(kv_step):
           slot = slot_of(kv_step)
           dslot = deq_slot(kv_step)
-          plgpu.barrier_wait(k_loaded.at[slot])
-          wait_free(k_free, kv_step, dslot)
-          convert_k(slot, kdeq2.at[dslot])
-          plgpu.commit_smem()  # generic-proxy writes -> visible to the compute wgs' wgmma
-          plgpu.barrier_arrive(k_ready.at[dslot])
-          plgpu.barrier_wait(v_loaded.at[slot])
-          wait_free(v_free, kv_step, dslot)
-          convert_v_tile(slot, vdeq2.at[dslot])
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(v_ready.at[dslot])
+          if do_k:
+            plgpu.barrier_wait(k_loaded.at[slot])
+            wait_free(k_free, kv_step, dslot)
+            convert_k(slot, kdeq2.at[dslot])
+            plgpu.commit_smem()  # generic-proxy writes -> visible to the compute wgs' wgmma
+            plgpu.barrier_arrive(k_ready.at[dslot])
+          if do_v:
+            plgpu.barrier_wait(v_loaded.at[slot])
+            wait_free(v_free, kv_step, dslot)
+            convert_v_tile(slot, vdeq2.at[dslot])
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(v_ready.at[dslot])
 
           @pl.when(kv_step + steps < kv_steps)
           def _refill():
-            issue_k(kv_step + steps, slot)
-            issue_v(kv_step + steps, slot)
+            if do_k:
+              issue_k(kv_step + steps, slot)
+            if do_v:
+              issue_v(kv_step + steps, slot)
         return
 
       @pl.loop(0, kv_steps - steps)
@@ -903,6 +1017,12 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         plgpu.barrier_wait(v_consumed.at[tma_slot])
         issue_v(tma_step, tma_slot)
 
+    if cfg.converter_wgs == 1:
+      pl.when(wg_idx == _COMPUTE_WGS)(lambda: memory_wg(True, True))
+    else:
+      pl.when(wg_idx == _COMPUTE_WGS)(lambda: memory_wg(True, False))
+      pl.when(wg_idx == _COMPUTE_WGS + 1)(lambda: memory_wg(False, True))
+
   def entry(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, lse_ref=None):
     t16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16, 128-byte rows
     t8 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))    # int8, 64-byte rows
@@ -910,11 +1030,11 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     smem = (
         plgpu.SMEM((_COMPUTE_WGS, block_q, d), jnp.bfloat16, transforms=t16),   # q, then out
         plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # K codes ring
-        plgpu.SMEM((steps, nsub, d), jnp.float32),                              # K scales ring
-        plgpu.SMEM((steps, nsub, d), jnp.float32),                              # K zeros ring
+        plgpu.SMEM((steps, nsub, d), scale_dtype),                              # K scales ring
+        plgpu.SMEM((steps, nsub, d), scale_dtype),                              # K zeros ring
         plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # V codes ring
-        plgpu.SMEM((steps, block_kv), jnp.float32),                             # V scales ring
-        plgpu.SMEM((steps, block_kv), jnp.float32),                             # V zeros ring
+        plgpu.SMEM((steps, block_kv), scale_dtype),                             # V scales ring
+        plgpu.SMEM((steps, block_kv), scale_dtype),                             # V zeros ring
         # K bf16 / V codes bf16: one tile per wg, or with shared_deq a ring of deq_slots tiles.
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
@@ -960,9 +1080,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       out_type=out_type,
       grid=grid,
       grid_names=grid_names,
-      num_threads=_COMPUTE_WGS + 1,
+      num_threads=_COMPUTE_WGS + cfg.converter_wgs,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not cfg.auto_barriers),
   )(q, kc, ks, kz, vc, vs, vz)
   return tuple(outs) if save_lse else outs[0]
 

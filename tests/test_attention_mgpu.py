@@ -92,6 +92,8 @@ def test_config_rejects_bad_fields():
     amg.MgpuConfig(diagnostic="fast")
   with pytest.raises(ValueError, match="deq_wg=True needs"):
     amg.MgpuConfig(block_q=128, shared_deq=True, deq_wg=True)  # v_math is still "p_scale"
+  with pytest.raises(ValueError, match="bf16_scales"):
+    amg.MgpuConfig(bf16_scales=True)  # convert is still "cast"
   with pytest.raises(ValueError, match="deq_slots"):
     amg.MgpuConfig(deq_slots=1)
   with pytest.raises(ValueError, match="multiple of 8"):
@@ -101,6 +103,18 @@ def test_config_rejects_bad_fields():
   with pytest.raises(ValueError, match="exceeds 504"):
     amg.MgpuConfig(compute_regs=232, memory_regs=48)
   amg.MgpuConfig(compute_regs=232, memory_regs=40)  # jax's FA3 example split: 504
+  deqwg = dict(block_q=128, shared_deq=True, v_math="tile", deq_wg=True, compute_regs=224, memory_regs=56)
+  with pytest.raises(ValueError, match="converter_wgs=3"):
+    amg.MgpuConfig(**deqwg, converter_wgs=3)
+  with pytest.raises(ValueError, match="converter_wgs=2 needs deq_wg"):
+    amg.MgpuConfig(converter_wgs=2, compute_regs=200, memory_regs=56)
+  # Four warpgroups get 4 x 128 registers at launch: 2 x 200 + 2 x 64 = 528 would hang.
+  with pytest.raises(ValueError, match="2 \\* memory_regs = 528 exceeds 512"):
+    amg.MgpuConfig(**{**deqwg, "compute_regs": 200, "memory_regs": 64}, converter_wgs=2)
+  amg.MgpuConfig(**{**deqwg, "compute_regs": 200, "memory_regs": 56}, converter_wgs=2)
+  with pytest.raises(ValueError, match="auto_barriers=False needs deq_wg"):
+    amg.MgpuConfig(auto_barriers=False)
+  amg.MgpuConfig(**deqwg, auto_barriers=False)
 
 
 @pytest.mark.gpu
