@@ -169,8 +169,6 @@ def _reg_pool(num_wgs: int) -> int:
   return num_wgs * (65536 // (num_wgs * 128) // 8 * 8)
 
 
-_REG_POOL = _reg_pool(_COMPUTE_WGS + 1)
-
 
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
@@ -280,9 +278,11 @@ class MgpuConfig:
 _VTILE_MAGIC = {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                 "convert": "magic"}
 _DEQWG_MAGIC = {**_VTILE_MAGIC, "deq_wg": True, "compute_regs": 224, "memory_regs": 56}
+# The same with bf16 math and wrapper-rounded bf16 scales (the default's fields).
+_DEQWG_PK = {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True}
 # 64 rows x 128 keys with bf16 scales and two converter warpgroups (2 x 200 + 2 x 56 = 512).
-_DEQWG2_BKV128_PK = {**_DEQWG_MAGIC, "block_q": 64, "block_kv": 128, "k_math": "bf16", "bf16_scales": True,
-                     "converter_wgs": 2, "compute_regs": 200, "memory_regs": 56}
+_DEQWG2_BKV128_PK = {**_DEQWG_PK, "block_q": 64, "block_kv": 128, "converter_wgs": 2, "compute_regs": 200,
+                     "memory_regs": 56}
 
 # Named design points for the probe. Each entry sets MgpuConfig fields; explicit
 # block_q / block_kv / max_concurrent_steps arguments override them.
@@ -347,16 +347,14 @@ VARIANTS = {
     "deqwg_magic_bf16_c3": {**_DEQWG_MAGIC, "k_math": "bf16", "max_concurrent_steps": 3},
     # Scales and midpoints rounded to bf16 by the wrapper (fewer converter instructions),
     # at the default's point and at 128 keys per step, where the converter is the limit.
-    "deqwg_magic_bf16_pk": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True},
-    "deqwg_magic_bkv128_bf16_pk": {**_DEQWG_MAGIC, "block_q": 64, "block_kv": 128, "k_math": "bf16",
-                                   "bf16_scales": True, "compute_regs": 200, "memory_regs": 104},
+    "deqwg_magic_bf16_pk": {**_DEQWG_PK},
+    "deqwg_magic_bkv128_bf16_pk": {**_DEQWG_PK, "block_q": 64, "block_kv": 128, "compute_regs": 200,
+                                   "memory_regs": 104},
     # The register split, code-ring depth and bf16-ring depth again with the lighter
     # converter (it may now fit in 40 registers).
-    "deqwg_magic_bf16_pk_r232": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True,
-                                 "compute_regs": 232, "memory_regs": 40},
-    "deqwg_magic_bf16_pk_c3": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True,
-                               "max_concurrent_steps": 3},
-    "deqwg_magic_bf16_pk_s3": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True, "deq_slots": 3},
+    "deqwg_magic_bf16_pk_r232": {**_DEQWG_PK, "compute_regs": 232, "memory_regs": 40},
+    "deqwg_magic_bf16_pk_c3": {**_DEQWG_PK, "max_concurrent_steps": 3},
+    "deqwg_magic_bf16_pk_s3": {**_DEQWG_PK, "deq_slots": 3},
     # Two converter warpgroups (K and V in parallel, 4 warpgroups, 512 registers): at 64
     # rows x 128 keys (compute 200, as deqwg_magic_bkv128_bf16_pk), where one converter is
     # the limit, and at the default's 128 x 64 (compute 216: two converters need 80).
@@ -366,8 +364,7 @@ VARIANTS = {
     "deqwg2_bkv128_pk_r184": {**_DEQWG2_BKV128_PK, "compute_regs": 184, "memory_regs": 72},
     "deqwg2_bkv128_pk_r176": {**_DEQWG2_BKV128_PK, "compute_regs": 176, "memory_regs": 80},
     "deqwg2_bkv128_pk_r168": {**_DEQWG2_BKV128_PK, "compute_regs": 168, "memory_regs": 88},
-    "deqwg2_pk_r216": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True, "converter_wgs": 2,
-                       "compute_regs": 216, "memory_regs": 40},
+    "deqwg2_pk_r216": {**_DEQWG_PK, "converter_wgs": 2, "compute_regs": 216, "memory_regs": 40},
     # The same split with Mosaic's cast conversion: it runs in the CPU interpreter, which
     # checks the four warpgroups' barriers (the inline PTX has no interpreter).
     "deqwg2_bkv128": {"block_q": 64, "block_kv": 128, "shared_deq": True, "codes_layout": "wgmma_8bit",
@@ -376,7 +373,7 @@ VARIANTS = {
     "deqwg2_bkv128_pk_nosched": {**_DEQWG2_BKV128_PK, "schedule_barrier": False},
     "deqwg2_bkv128_pk_c3": {**_DEQWG2_BKV128_PK, "max_concurrent_steps": 3},
     # Without Pallas' automatic warpgroup barriers around every SMEM store (auto_barriers).
-    "deqwg_magic_bf16_pk_nab": {**_DEQWG_MAGIC, "k_math": "bf16", "bf16_scales": True, "auto_barriers": False},
+    "deqwg_magic_bf16_pk_nab": {**_DEQWG_PK, "auto_barriers": False},
     "deqwg2_bkv128_pk_nab": {**_DEQWG2_BKV128_PK, "auto_barriers": False},
     "deqwg2_bkv128_pk_r176_nab": {**_DEQWG2_BKV128_PK, "compute_regs": 176, "memory_regs": 80,
                                   "auto_barriers": False},
