@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import formats as fmt  # noqa: E402
-from benchmarks.quality import dit_qkv, quality  # noqa: E402
+from benchmarks.quality import dit_qkv, fake_quant, quality  # noqa: E402
 from benchmarks.run_info import package_versions  # noqa: E402
 from pallas_kernels.attention import attention_f32, packed_attention, packed_attention_reference  # noqa: E402
 
@@ -60,22 +60,6 @@ def _goal(policy, q):
 # --------------------------------------------------------------------------------------
 # Fake quantization for remedies (format v1 stores none of these)
 # --------------------------------------------------------------------------------------
-def _fake_quant(x, tok_group, chan_group, levels=15, symmetric=False):
-  """x (B, T, H, D), T a multiple of tok_group: quantize groups of tok_group tokens x
-  chan_group channels with one (scale, zero) each, return dequantized float32."""
-  b, t, h, d = x.shape
-  g = x.reshape(b, t // tok_group, tok_group, h, d // chan_group, chan_group)
-  if symmetric:
-    amax = np.abs(g).max(axis=(2, 5), keepdims=True)
-    scale = np.where(amax > 0, 2 * amax / levels, 1.0)
-    lo = -amax
-  else:
-    lo = g.min(axis=(2, 5), keepdims=True)
-    scale = np.where(g.max(axis=(2, 5), keepdims=True) > lo, (g.max(axis=(2, 5), keepdims=True) - lo) / levels, 1.0)
-  codes = np.clip(np.floor((g - lo) / scale + 0.5), 0, levels)
-  return (codes * scale + lo).reshape(x.shape).astype(np.float32)
-
-
 def _block_mean(x, block=64):
   b, t, h, d = x.shape
   m = x.reshape(b, t // block, block, h, d).mean(axis=2, keepdims=True)
@@ -89,25 +73,25 @@ def _remedies(q_bf16, k_rot, v_rot, r_v, ref, d, prefix):
   logit of a query row equally; a per-block V mean is added back through the block's
   probability mass, which the format's per-block V sums already provide.
   """
-  kq = lambda x: _fake_quant(x, 64, 1)              # format v1: K channel, 64 tokens
-  vq = lambda x: _fake_quant(x, 1, d)               # format v1: V token, whole head dim
+  kq = lambda x: fake_quant(x, 64, 1)              # format v1: K channel, 64 tokens
+  vq = lambda x: fake_quant(x, 1, d)               # format v1: V token, whole head dim
   mu_k = k_rot.mean(axis=1, keepdims=True)
   mb_v = _block_mean(v_rot)
   p = -(-prefix // 64) * 64  # the boundary block takes the higher class
   cases = {
       "v1 default (K ch64, V tok)": (kq(k_rot), vq(v_rot)),
-      "K ch64, V tok symmetric": (kq(k_rot), _fake_quant(v_rot, 1, d, symmetric=True)),
-      "K ch64 symmetric, V tok": (_fake_quant(k_rot, 64, 1, symmetric=True), vq(v_rot)),
-      "K tok + exact K smoothing, V tok": (_fake_quant(k_rot - mu_k, 1, d) + mu_k, vq(v_rot)),
+      "K ch64, V tok symmetric": (kq(k_rot), fake_quant(v_rot, 1, d, symmetric=True)),
+      "K ch64 symmetric, V tok": (fake_quant(k_rot, 64, 1, symmetric=True), vq(v_rot)),
+      "K tok + exact K smoothing, V tok": (fake_quant(k_rot - mu_k, 1, d) + mu_k, vq(v_rot)),
       "K ch64, V tok - block mean (exact)": (kq(k_rot), vq(v_rot - mb_v) + mb_v),
-      "K ch32, V g32": (_fake_quant(k_rot, 32, 1), _fake_quant(v_rot, 1, 32)),
-      "K ch16, V tok": (_fake_quant(k_rot, 16, 1), vq(v_rot)),
-      "K ch64, V g16": (kq(k_rot), _fake_quant(v_rot, 1, 16)),
-      "K ch16, V g16": (_fake_quant(k_rot, 16, 1), _fake_quant(v_rot, 1, 16)),
+      "K ch32, V g32": (fake_quant(k_rot, 32, 1), fake_quant(v_rot, 1, 32)),
+      "K ch16, V tok": (fake_quant(k_rot, 16, 1), vq(v_rot)),
+      "K ch64, V g16": (kq(k_rot), fake_quant(v_rot, 1, 16)),
+      "K ch16, V g16": (fake_quant(k_rot, 16, 1), fake_quant(v_rot, 1, 16)),
       "K ch32, V g32, prefix int8": None,
   }
-  k32, v32 = _fake_quant(k_rot, 32, 1), _fake_quant(v_rot, 1, 32)
-  k8, v8 = _fake_quant(k_rot, 64, 1, 255), _fake_quant(v_rot, 1, d, 255)
+  k32, v32 = fake_quant(k_rot, 32, 1), fake_quant(v_rot, 1, 32)
+  k8, v8 = fake_quant(k_rot, 64, 1, 255), fake_quant(v_rot, 1, d, 255)
   cases["K ch32, V g32, prefix int8"] = (np.concatenate([k8[:, :p], k32[:, p:]], 1),
                                          np.concatenate([v8[:, :p], v32[:, p:]], 1))
   out = {}

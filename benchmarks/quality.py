@@ -33,6 +33,32 @@ def quality(out, ref) -> dict:
   return {"cos": cosine(out, ref), "rel_l1": rel_l1(out, ref), "rel_l2": rel_err(out, ref)}
 
 
+def group_scale_zero(x, tok_group, chan_group, levels=15, symmetric=False):
+  """x (B, T, H, D), T a multiple of tok_group: one (scale, zero) per group of tok_group
+  tokens x chan_group channels, broadcast back to x's shape (float32; asymmetric:
+  zero = group min; symmetric: zero = -amax)."""
+  x = np.asarray(x, np.float32)
+  b, t, h, d = x.shape
+  g = x.reshape(b, t // tok_group, tok_group, h, d // chan_group, chan_group)
+  if symmetric:
+    amax = np.abs(g).max(axis=(2, 5), keepdims=True)
+    scale, zero = np.where(amax > 0, 2 * amax / levels, 1.0), -amax
+  else:
+    zero, hi = g.min(axis=(2, 5), keepdims=True), g.max(axis=(2, 5), keepdims=True)
+    scale = np.where(hi > zero, (hi - zero) / levels, 1.0)
+  full = lambda a: np.broadcast_to(a, g.shape).reshape(x.shape).astype(np.float32)
+  return full(scale), full(zero)
+
+
+def fake_quant(x, tok_group, chan_group, levels=15, symmetric=False):
+  """x (B, T, H, D) quantized to levels + 1 codes per group (``group_scale_zero``) with
+  the format's rounding, returned dequantized in float32."""
+  x = np.asarray(x, np.float32)
+  scale, zero = group_scale_zero(x, tok_group, chan_group, levels, symmetric)
+  codes = np.clip(np.floor((x - zero) / scale + 0.5), 0, levels)
+  return (codes * scale + zero).astype(np.float32)
+
+
 def _smooth_field(rng, pos, channels, waves=6):
   """(T, channels) sum of low-frequency sinusoids over normalized (t, h, w)."""
   span = np.maximum(pos.max(0, keepdims=True), 1)
