@@ -93,7 +93,8 @@ Design
   rounds the K/V scales and group midpoints (z + 8 s) to bf16 once, so the converter loads
   them ready instead of loading f32 values and computing them per tile. The same bf16
   values as before, so the same output bits; about 3% faster at the default point, for
-  bf16 copies of the scale arrays (+0.09 GiB peak in one H3 layer at T=152,263).
+  bf16 copies of the scale arrays (+0.09 GiB peak in one H3 layer at T=152,263; +0.07
+  since a call on a group of heads rounds only that group's scales).
 * ``converter_wgs=2`` (variants ``deqwg2*``; needs deq_wg): two converting warpgroups,
   one loading and converting every K tile (and the q tiles without TMA), the other every
   V tile, in parallel. Four warpgroups get 128 registers each at launch, so
@@ -102,6 +103,22 @@ Design
   ``unsafe_no_auto_barriers``, without the warpgroup barrier Pallas puts before and after
   each SMEM store (8 of a converter's 9 barriers per step). The ordering these variants
   rely on instead is written out at ``MgpuConfig.auto_barriers``.
+* ``cluster_share=True`` (variants ``*_cl2*``; needs converter_wgs=2 at 64 rows x 128
+  keys): the grid runs in clusters of 2 CTAs on adjacent q tiles of one head, which
+  need the same K/V tiles. CTA r loads and converts only keys [64 r, 64 r + 64) of each
+  128-key step (its K converter that half of K, its V converter that half of V) and
+  stores the bf16 rows into its own ring and, with ``plgpu.async_store_smem``
+  (st.async into the peer's shared memory, completing bytes on the peer's "ready"
+  mbarrier), into the peer's ring: each CTA converts half of every tile. "ready" then
+  counts 3 arrivals (the local converter and the peer's two stores), "free" is a
+  cluster barrier that both compute warpgroups of both CTAs arrive on (each converter
+  overwrites rows in both CTAs), and the compute warpgroups fence (``commit_smem``)
+  after each ready wait, since st.async writes are generic-proxy writes that wgmma
+  reads through the async proxy. A last cluster barrier keeps either CTA from exiting
+  while its peer may still arrive on its barriers. Needs an even number of q tiles.
+  Measured slower, not faster: 1.71-1.82 s against 1.45 s without the cluster at
+  T=152,320 on the H200 (``attention_mgpu_probe_19.json``); the fences cost nothing
+  (``_20``). Kept as a record of the lever, not for use.
 
 Variants (``variant=`` keyword, see ``VARIANTS``) exist so that one GPU run can
 compare a few design points; they only change code generation, never results beyond
@@ -216,6 +233,15 @@ class MgpuConfig:
   # warpgroups write their out tiles only after their wgmmas on them have completed, then
   # commit_smem before the TMA store.
   auto_barriers: bool = True
+  # A cluster of 2 CTAs on adjacent q tiles of one head shares the converted tiles: CTA r
+  # converts keys [64 r, 64 r + 64) of every 128-key K and V tile, stores them into its own
+  # bf16 ring and, with st.async (plgpu.async_store_smem), into its peer's, so each CTA
+  # converts half of every tile (deqwg2 at 64 x 128 only; module doc, "cluster_share").
+  cluster_share: bool = False
+  # Timing diagnostic only: cluster_share without the compute warpgroups' proxy fence after
+  # each ready wait (the PTX memory model does not order the peer's st.async writes before
+  # wgmma's reads without it, so results are not guaranteed).
+  cluster_fence: bool = True
   compute_regs: int = 232         # setmaxnreg of each compute warpgroup
   memory_regs: int = 40           # setmaxnreg of each memory warpgroup (the pool: __post_init__)
 
@@ -257,6 +283,10 @@ class MgpuConfig:
     if not self.auto_barriers and not self.deq_wg:
       raise ValueError("auto_barriers=False needs deq_wg=True (the only structure whose SMEM "
                        "writes are ordered without Pallas' automatic barriers)")
+    if self.cluster_share and not (self.converter_wgs == 2 and self.block_kv == 2 * _SUB
+                                   and self.convert == "magic" and self.grid_q_fastest):
+      raise ValueError("cluster_share=True needs converter_wgs=2, block_kv=128, convert='magic' and "
+                       "grid_q_fastest=True (each CTA of the pair converts one 64-key half of every tile)")
     for name in ("compute_regs", "memory_regs"):
       n = getattr(self, name)
       if n % 8 or not 24 <= n <= 256:
@@ -378,6 +408,11 @@ VARIANTS = {
     "deqwg2_bkv128_pk_r176_nab": {**_DEQWG2_BKV128_PK, "compute_regs": 176, "memory_regs": 80,
                                   "auto_barriers": False},
     "deqwg2_bkv128_pk_nosched_nab": {**_DEQWG2_BKV128_PK, "schedule_barrier": False, "auto_barriers": False},
+    # Two CTAs on adjacent q tiles share the converted tiles (cluster_share): each converts
+    # one 64-key half of every K and V tile, for itself and, through DSMEM, for its peer.
+    "deqwg2_bkv128_pk_cl2": {**_DEQWG2_BKV128_PK, "cluster_share": True},
+    "deqwg2_bkv128_pk_cl2_nab": {**_DEQWG2_BKV128_PK, "cluster_share": True, "auto_barriers": False},
+    "deqwg2_bkv128_pk_cl2_nosched": {**_DEQWG2_BKV128_PK, "cluster_share": True, "schedule_barrier": False},
     # 3-deep bf16 rings at 64 keys: the converter may run two tiles ahead.
     "deqwg_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                  "deq_wg": True, "deq_slots": 3, "compute_regs": 224, "memory_regs": 56},
@@ -398,6 +433,8 @@ DIAGNOSTIC_VARIANTS = {
     # 1.16 s, cuDNN's speed (probe_17), so at 128 keys the conversion is the limit.
     "diag_deqwg_bkv128_no_convert": {**VARIANTS["deqwg_bkv128"], "diagnostic": "no_convert"},
     "diag_deqwg2_bkv128_no_convert": {**VARIANTS["deqwg2_bkv128"], "diagnostic": "no_convert"},
+    # cluster_share without the consumers' proxy fences: what those fences cost.
+    "diag_cl2_nab_nofence": {**VARIANTS["deqwg2_bkv128_pk_cl2_nab"], "cluster_fence": False},
 }
 
 
@@ -600,13 +637,25 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
   num_q_tiles = tq // (_COMPUTE_WGS * block_q) if num_q_tiles is None else num_q_tiles
   if num_q_tiles < 1 or num_q_tiles * _COMPUTE_WGS * block_q > tq:
     raise ValueError(f"num_q_tiles={num_q_tiles} of {_COMPUTE_WGS * block_q} rows does not fit Tq={tq}")
+  share = cfg.cluster_share
+  if share and num_q_tiles % 2:
+    raise NotImplementedError(f"cluster_share: num_q_tiles={num_q_tiles} must be even (CTA pairs)")
+  load_kv = block_kv // 2 if share else block_kv  # keys each CTA loads and converts per step
+  load_sub = load_kv // _SUB
+  scales_sliced = False  # True: the scale operands hold only heads [head_offset, + heads)
   if cfg.bf16_scales:  # the rounding magic_math does per tile, done once here (exact 8 s in f32)
+    if heads != all_heads:
+      # Only this head group's scales are rounded, so a caller looping over head groups
+      # holds 1/groups of the bf16 copies at a time instead of all of them.
+      ks, kz, vs, vz = (lax.slice_in_dim(a, head_offset, head_offset + heads, axis=1) for a in (ks, kz, vs, vz))
+      scales_sliced = True
     ks, kz = ks.astype(jnp.bfloat16), (kz + 8.0 * ks).astype(jnp.bfloat16)
     vs, vz = vs.astype(jnp.bfloat16), (vz + 8.0 * vs).astype(jnp.bfloat16)
   scale_dtype = jnp.bfloat16 if cfg.bf16_scales else jnp.float32
 
   def kernel(q_ref, kc_ref, ks_ref, kz_ref, vc_ref, vs_ref, vz_ref, out_ref, lse_ref, scoped):
     smem, loaded, consumed, schedule_barrier, *deq_bars = scoped
+    exit_barrier = deq_bars[1] if share else None
     deq_bars = deq_bars[0] if deq_bars else None  # shared_deq only
     qo_smem2, kc_smem, ks_smem, kz_smem, vc_smem, vs_smem, vz_smem, kdeq2, vdeq2, lse_smem2 = smem
     k_loaded, v_loaded, q_loaded = loaded
@@ -614,7 +663,12 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     b = lax.axis_index("batch")
     h_out = lax.axis_index("heads")  # head of the output / lse
     h = h_out + head_offset           # head of q and K/V
-    q_tile = lax.axis_index("q_seq")
+    h_scale = h_out if scales_sliced else h  # head of the scale operands
+    if share:  # the pair of CTAs (rank 0, 1) takes q tiles 2 i and 2 i + 1
+      rank = lax.axis_index("cluster")
+      q_tile = 2 * lax.axis_index("q_seq") + rank
+    else:
+      rank, q_tile = 0, lax.axis_index("q_seq")
     wg_idx = lax.axis_index("wg")
     skip_convert = cfg.diagnostic.startswith("no_convert")
 
@@ -655,8 +709,10 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       dst[rows, pl.ds(0, _HALF)] = v_lo
       dst[rows, pl.ds(_HALF, _HALF)] = v_hi
 
-    def magic_math(dst, rows, c, s_lo, s_hi, z_lo, z_hi, *, bcast_dim):
-      """dst[rows] = [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi] via _dequant_int4_magic."""
+    def magic_math(dst, rows, c, s_lo, s_hi, z_lo, z_hi, *, bcast_dim, remote_bar=None):
+      """dst[rows] = [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi] via _dequant_int4_magic;
+      with remote_bar (cluster_share) also into the peer CTA's dst[rows], which completes
+      two arrivals (and the bytes) of the peer's remote_bar."""
       shape = (_SUB, _HALF)
       dt = jnp.bfloat16 if cfg.k_math == "bf16" else jnp.float32
       if cfg.bf16_scales:  # already the bf16 scale and midpoint (_attention_call)
@@ -670,10 +726,18 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
                                    layout=codes_layout)
       dst[rows, pl.ds(0, _HALF)] = lo
       dst[rows, pl.ds(_HALF, _HALF)] = hi
+      if remote_bar is not None:
+        peer = 1 - rank
+        for val, cols in ((lo, pl.ds(0, _HALF)), (hi, pl.ds(_HALF, _HALF))):
+          plgpu.async_store_smem(val, dst.at[rows, cols], remote_bar, cluster_idx=peer, cluster_dim="cluster")
 
-    def convert_k(slot, dst):
+    # cluster_share: the ring slots hold this CTA's 64-key half, which goes to rows
+    # [64 rank, 64 rank + 64) of the bf16 tiles (its own and the peer's).
+    dst_rows = lambda j: pl.ds(rank * _SUB, _SUB) if share else pl.ds(j * _SUB, _SUB)
+
+    def convert_k(slot, dst, remote_bar=None):
       """K codes + per-channel scales of TMA ring slot -> bf16 K tile dst."""
-      for j in range(0 if skip_convert else nsub):
+      for j in range(0 if skip_convert else load_sub):
         rows = pl.ds(j * _SUB, _SUB)
         c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
         s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
@@ -681,7 +745,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
         z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
         if cfg.convert == "magic":
-          magic_math(dst, rows, c, s_lo, s_hi, z_lo, z_hi, bcast_dim=1)
+          magic_math(dst, dst_rows(j), c, s_lo, s_hi, z_lo, z_hi, bcast_dim=1, remote_bar=remote_bar)
           continue
         lo, hi = _nibbles_bf16(c)
         if cfg.diagnostic == "k_noscale":
@@ -699,15 +763,15 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         dst[rows, pl.ds(0, _HALF)] = lo
         dst[rows, pl.ds(_HALF, _HALF)] = hi
 
-    def convert_v_tile(slot, dst):
+    def convert_v_tile(slot, dst, remote_bar=None):
       """V codes + per-token scale/zero of TMA ring slot -> bf16 V tile dst (v_math='tile')."""
-      for j in range(0 if skip_convert else nsub):
+      for j in range(0 if skip_convert else load_sub):
         rows = pl.ds(j * _SUB, _SUB)
         c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
         s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
         z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
         if cfg.convert == "magic":
-          magic_math(dst, rows, c, s, s, z, z, bcast_dim=0)
+          magic_math(dst, dst_rows(j), c, s, s, z, z, bcast_dim=0, remote_bar=remote_bar)
           continue
         lo, hi = _nibbles_bf16(c)
         scale_math(dst, rows, lo, hi, s, s, z, z, bcast_dim=0)
@@ -806,6 +870,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         kdeq_s, vdeq_s = kdeq2.at[dslot], vdeq2.at[dslot]
 
         plgpu.barrier_wait(k_ready.at[dslot])
+        if share and cfg.cluster_fence:  # the peer's half came by st.async (generic proxy): order it before wgmma
+          plgpu.commit_smem()
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(kdeq_s, (1, 0)))
@@ -827,6 +893,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
           plgpu.barrier_arrive(schedule_barrier)  # done with softmax
           plgpu.barrier_wait(schedule_barrier)  # wait until the tensor core is free
         plgpu.barrier_wait(v_ready.at[dslot])
+        if share and cfg.cluster_fence:
+          plgpu.commit_smem()
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, vdeq_s)
@@ -930,24 +998,33 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       if save_lse:
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h_out, pl.ds(q_seq_base, block_q)])
       plgpu.wait_smem_to_gmem(0)
+      if share:  # no CTA of the pair exits while its peer may still arrive on its barriers
+        plgpu.barrier_arrive(exit_barrier)
+        plgpu.barrier_wait(exit_barrier)
 
     def memory_wg(do_k, do_v):
       """TMA for the K (do_k) and / or V (do_v) code rings; with deq_wg also their
       conversion. One memory warpgroup does both, or with converter_wgs=2 one each."""
       plgpu.set_max_registers(cfg.memory_regs, action="decrease")
 
+      # cluster_share: only this CTA's 64-key half of each step
+      step_keys = lambda step: (pl.ds(step * block_kv + rank * load_kv, load_kv) if share
+                                else pl.ds(step * block_kv, block_kv))
+      step_blocks = lambda step: (pl.ds(step * nsub + rank * load_sub, load_sub) if share
+                                  else pl.ds(step * nsub, nsub))
+
       def issue_k(step, slot):
         bar = k_loaded.at[slot]
-        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, pl.ds(step * block_kv, block_kv)], kc_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(ks_ref.at[b, h, pl.ds(step * nsub, nsub)], ks_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(kz_ref.at[b, h, pl.ds(step * nsub, nsub)], kz_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(kc_ref.at[b, h, step_keys(step)], kc_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(ks_ref.at[b, h_scale, step_blocks(step)], ks_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(kz_ref.at[b, h_scale, step_blocks(step)], kz_smem.at[slot], bar)
 
       def issue_v(step, slot):
         bar = v_loaded.at[slot]
-        keys = pl.ds(step * block_kv, block_kv)
+        keys = step_keys(step)
         plgpu.copy_gmem_to_smem(vc_ref.at[b, h, keys], vc_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(vs_ref.at[b, h, keys], vs_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(vz_ref.at[b, h, keys], vz_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(vs_ref.at[b, h_scale, keys], vs_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(vz_ref.at[b, h_scale, keys], vz_smem.at[slot], bar)
 
       for i in range(steps):
         if do_k:
@@ -987,13 +1064,13 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
           if do_k:
             plgpu.barrier_wait(k_loaded.at[slot])
             wait_free(k_free, kv_step, dslot)
-            convert_k(slot, kdeq2.at[dslot])
+            convert_k(slot, kdeq2.at[dslot], remote_bar=k_ready.at[dslot] if share else None)
             plgpu.commit_smem()  # generic-proxy writes -> visible to the compute wgs' wgmma
             plgpu.barrier_arrive(k_ready.at[dslot])
           if do_v:
             plgpu.barrier_wait(v_loaded.at[slot])
             wait_free(v_free, kv_step, dslot)
-            convert_v_tile(slot, vdeq2.at[dslot])
+            convert_v_tile(slot, vdeq2.at[dslot], remote_bar=v_ready.at[dslot] if share else None)
             plgpu.commit_smem()
             plgpu.barrier_arrive(v_ready.at[dslot])
 
@@ -1026,19 +1103,28 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     ndeq = cfg.deq_slots if cfg.shared_deq else _COMPUTE_WGS
     smem = (
         plgpu.SMEM((_COMPUTE_WGS, block_q, d), jnp.bfloat16, transforms=t16),   # q, then out
-        plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # K codes ring
-        plgpu.SMEM((steps, nsub, d), scale_dtype),                              # K scales ring
-        plgpu.SMEM((steps, nsub, d), scale_dtype),                              # K zeros ring
-        plgpu.SMEM((steps, block_kv, _HALF), jnp.int8, transforms=t8),          # V codes ring
-        plgpu.SMEM((steps, block_kv), scale_dtype),                             # V scales ring
-        plgpu.SMEM((steps, block_kv), scale_dtype),                             # V zeros ring
+        plgpu.SMEM((steps, load_kv, _HALF), jnp.int8, transforms=t8),           # K codes ring
+        plgpu.SMEM((steps, load_sub, d), scale_dtype),                          # K scales ring
+        plgpu.SMEM((steps, load_sub, d), scale_dtype),                          # K zeros ring
+        plgpu.SMEM((steps, load_kv, _HALF), jnp.int8, transforms=t8),           # V codes ring
+        plgpu.SMEM((steps, load_kv), scale_dtype),                              # V scales ring
+        plgpu.SMEM((steps, load_kv), scale_dtype),                              # V zeros ring
         # K bf16 / V codes bf16: one tile per wg, or with shared_deq a ring of deq_slots tiles.
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
         plgpu.SMEM((ndeq, block_kv, d), jnp.bfloat16, transforms=t16),
         plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32) if save_lse else None,  # lse per wg
     )
     deq_barriers = ()
-    if cfg.shared_deq:
+    if cfg.shared_deq and share:
+      # ready: this CTA's converter (1 arrival) and the peer's two st.async stores (2, with
+      # their bytes); free: both compute warpgroups of both CTAs (a cluster barrier: each
+      # arrival lands in both CTAs), since each converter writes into both.
+      ready = lambda: plgpu.Barrier(num_arrivals=1 + 2 * load_sub, num_barriers=cfg.deq_slots)
+      free = lambda: plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_COMPUTE_WGS,
+                                          num_barriers=cfg.deq_slots)
+      deq_barriers = ((ready(), ready(), free(), free()),
+                      plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_COMPUTE_WGS))
+    elif cfg.shared_deq:
       deq_barriers = ((
           plgpu.Barrier(num_barriers=cfg.deq_slots),  # bf16 K tile ready (producer: wg 0 or memory wg)
           plgpu.Barrier(num_barriers=cfg.deq_slots),  # bf16 V tile ready (producer: wg 1 or memory wg)
@@ -1063,7 +1149,11 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
         collective_axes="wg",
     )
 
-  if cfg.grid_q_fastest:
+  cluster_kw = {}
+  if share:
+    grid, grid_names = (num_q_tiles // 2, heads, batch), ("q_seq", "heads", "batch")
+    cluster_kw = dict(cluster=(2,), cluster_names=("cluster",))
+  elif cfg.grid_q_fastest:
     grid, grid_names = (num_q_tiles, heads, batch), ("q_seq", "heads", "batch")
   else:
     grid, grid_names = (heads, num_q_tiles, batch), ("heads", "q_seq", "batch")
@@ -1079,6 +1169,7 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       grid_names=grid_names,
       num_threads=_COMPUTE_WGS + cfg.converter_wgs,
       thread_name="wg",
+      **cluster_kw,
       compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=not cfg.auto_barriers),
   )(q, kc, ks, kz, vc, vs, vz)
   return tuple(outs) if save_lse else outs[0]

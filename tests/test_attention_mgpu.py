@@ -115,6 +115,20 @@ def test_config_rejects_bad_fields():
   with pytest.raises(ValueError, match="auto_barriers=False needs deq_wg"):
     amg.MgpuConfig(auto_barriers=False)
   amg.MgpuConfig(**deqwg, auto_barriers=False)
+  # cluster_share splits each 128-key tile between the two CTAs of a pair: 64 keys each.
+  two = dict(deqwg, block_q=64, block_kv=128, converter_wgs=2, compute_regs=200, memory_regs=56,
+             codes_layout="wgmma_8bit", convert="magic")
+  with pytest.raises(ValueError, match="cluster_share=True needs"):
+    amg.MgpuConfig(**{**two, "block_kv": 64}, cluster_share=True)
+  with pytest.raises(ValueError, match="cluster_share=True needs"):
+    amg.MgpuConfig(**{**two, "converter_wgs": 1}, cluster_share=True)
+  amg.MgpuConfig(**two, cluster_share=True)
+
+
+def test_cluster_share_refuses_an_odd_number_of_q_tiles():
+  q, packed = _make(0, tq=384, tkv=256)  # 3 tiles of 2 x 64 rows: no CTA pair for the last
+  with pytest.raises(NotImplementedError, match="num_q_tiles=3 must be even"):
+    jax.jit(lambda q, p: amg.packed_attention_mgpu(q, p, variant="deqwg2_bkv128_pk_cl2")).trace(q, packed)
 
 
 @pytest.mark.gpu
@@ -216,3 +230,20 @@ def test_magic_ptx_dequantizes_split_half_codes(seed, math_dtype):
     assert got == expect, (math_dtype, b, got, expect)
     exact = [lo[j] * s_lo[j] + z_lo[j] for j in range(4)] + [hi[j] * s_hi[j] + z_hi[j] for j in range(4)]
     np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2)  # the dequantized values themselves
+
+
+def test_head_group_call_rounds_only_its_heads_scales():
+  """A call over heads [2, 4) of 4 passes the kernel bf16 scales of those 2 heads only, so
+  the fast path's loop over head groups never holds bf16 copies of every head's scales."""
+  import re
+  q, packed = _make(0, tq=512, tkv=512, heads=4)
+  ops = amg.int4_store_operands(packed)
+  cfg = amg.make_config()
+  assert cfg.bf16_scales
+  fn = jax.jit(lambda q, *o: amg._attention_call(q, *o, cfg=cfg, sm_scale=0.09, head_offset=2, num_heads=2))
+  text = fn.trace(q, *ops).lower(lowering_platforms=("cuda",)).as_text()
+  [call] = [line for line in text.splitlines() if "custom_call" in line and "mosaic_gpu" in line]
+  operands = re.findall(r"tensor<([0-9x]+)x(bf16|f32|i8)>", call)[:7]
+  # q (all heads), K codes (all heads), K scale / midpoint (2 heads), V codes, V scale / midpoint
+  assert operands == [("1x512x4x128", "bf16"), ("1x4x512x64", "i8"), ("1x2x8x128", "bf16"),
+                      ("1x2x8x128", "bf16"), ("1x4x512x64", "i8"), ("1x2x512", "bf16"), ("1x2x512", "bf16")]
