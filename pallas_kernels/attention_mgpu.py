@@ -177,6 +177,7 @@ _HEAD_DIM = 128
 _HALF = _HEAD_DIM // 2
 _SUB = fmt.BLOCK  # rows per dequantization sub-tile == quantization block (64)
 _COMPUTE_WGS = 2
+_UNPACK_DIAGNOSTICS = ("unpack_only", "v_unpack_only")
 
 
 def _reg_pool(num_wgs: int) -> int:
@@ -207,6 +208,10 @@ class MgpuConfig:
   # Timing diagnostics only, the output is WRONG: "k_noscale" stores K codes without the
   # per-channel scale math; "no_convert" skips every code load/convert/store (barriers stay);
   # "no_convert_no_vmath" also drops the V scale/zero math from the softmax.
+  # "unpack_only" / "v_unpack_only" (convert="magic" with bf16_scales): the converter
+  # only unpacks K and V (or only V) codes into bf16 128 + code, without loading scales
+  # or applying them: the converter's share of a format whose scales factor out of the
+  # dots (the extra work such a format puts on the compute warpgroups is not modelled).
   diagnostic: str = ""
   # The memory warpgroup also dequantizes every K and V tile into the shared bf16 rings
   # (shared_deq + v_math="tile" only), so the compute warpgroups run plain FA3 on bf16
@@ -256,9 +261,9 @@ class MgpuConfig:
       raise ValueError(f"codes_layout={self.codes_layout!r} must be 'wgmma' or 'wgmma_8bit'")
     if self.k_math not in ("f32", "bf16"):
       raise ValueError(f"k_math={self.k_math!r} must be 'f32' or 'bf16'")
-    if self.diagnostic not in ("", "k_noscale", "no_convert", "no_convert_no_vmath"):
-      raise ValueError(f"diagnostic={self.diagnostic!r} must be '', 'k_noscale', 'no_convert' "
-                       "or 'no_convert_no_vmath'")
+    if self.diagnostic not in ("", "k_noscale", "no_convert", "no_convert_no_vmath") + _UNPACK_DIAGNOSTICS:
+      raise ValueError(f"diagnostic={self.diagnostic!r} must be '', 'k_noscale', 'no_convert', "
+                       "'no_convert_no_vmath', 'unpack_only' or 'v_unpack_only'")
     if self.v_math not in ("p_scale", "tile"):
       raise ValueError(f"v_math={self.v_math!r} must be 'p_scale' or 'tile'")
     if self.v_math == "tile" and not self.shared_deq:
@@ -270,8 +275,11 @@ class MgpuConfig:
     if self.convert not in ("cast", "magic"):
       raise ValueError(f"convert={self.convert!r} must be 'cast' or 'magic'")
     if self.convert == "magic" and (self.codes_layout != "wgmma_8bit" or self.v_math != "tile"
-                                    or self.diagnostic):
-      raise ValueError("convert='magic' needs codes_layout='wgmma_8bit', v_math='tile' and no diagnostic")
+                                    or self.diagnostic not in ("",) + _UNPACK_DIAGNOSTICS):
+      raise ValueError("convert='magic' needs codes_layout='wgmma_8bit', v_math='tile' and no "
+                       "diagnostic other than the unpack ones")
+    if self.diagnostic in _UNPACK_DIAGNOSTICS and not self.bf16_scales:
+      raise ValueError(f"diagnostic={self.diagnostic!r} needs convert='magic' with bf16_scales=True")
     if self.bf16_scales and not (self.convert == "magic" and self.k_math == "bf16"):
       raise ValueError("bf16_scales=True needs convert='magic' and k_math='bf16'")
     if self.deq_slots < 2:
@@ -435,6 +443,16 @@ DIAGNOSTIC_VARIANTS = {
     "diag_deqwg2_bkv128_no_convert": {**VARIANTS["deqwg2_bkv128"], "diagnostic": "no_convert"},
     # cluster_share without the consumers' proxy fences: what those fences cost.
     "diag_cl2_nab_nofence": {**VARIANTS["deqwg2_bkv128_pk_cl2_nab"], "cluster_fence": False},
+    # The 64 x 128 two-converter kernel whose converters only unpack codes (no scale loads,
+    # no subtract, no FMA): the speed a format with scales outside the dots could reach at
+    # best, K and V factored (unpack_only) or only V, as V per channel over 256 keys
+    # (v_unpack_only). The compute-side scale work such formats need is left out.
+    "diag_deqwg2_bkv128_pk_unpack_only": {**VARIANTS["deqwg2_bkv128_pk"], "diagnostic": "unpack_only"},
+    "diag_deqwg2_bkv128_pk_nab_unpack_only": {**VARIANTS["deqwg2_bkv128_pk_nab"], "diagnostic": "unpack_only"},
+    "diag_deqwg2_bkv128_pk_nab_v_unpack_only": {**VARIANTS["deqwg2_bkv128_pk_nab"],
+                                                "diagnostic": "v_unpack_only"},
+    # The same at the default's 128 x 64 with one converter.
+    "diag_pk_unpack_only": {**VARIANTS["deqwg_magic_bf16_pk"], "diagnostic": "unpack_only"},
 }
 
 
@@ -540,6 +558,9 @@ def dequant_ptx(math_dtype: str) -> tuple[str, str]:
   $13..$16 s_hi, $17..$20 z_hi - 128 s_hi (one f32 per channel j..j+3).
   """
   body = _PTX_UNPACK
+  if math_dtype == "unpack":  # timing diagnostic: 128 + code, no scale operands
+    body += "mov.b32 $0, x0;\nmov.b32 $1, x1;\nmov.b32 $2, x2;\nmov.b32 $3, x3;\n"
+    return "{\n" + body + "}\n", "=r,=r,=r,=r,r"
   if math_dtype == "bf16":
     body += """
 mov.b32 m128, 0x43084308;
@@ -566,10 +587,12 @@ cvt.rn.bf16x2.f32 ${k}, f1, f0;
   return "{\n" + body + "}\n", "=r,=r,=r,=r,r," + ",".join(["f"] * 16)
 
 
-def _dequant_int4_magic(c, s_lo, z_lo, s_hi, z_hi, *, math_dtype, layout):
-  """(64, 64) int8 code bytes and (64, 64) broadcast scale/zero arrays (bf16 with the
-  zero shifted to z + 8 s, or f32 with z - 128 s; see dequant_ptx) -> (lo, hi) bf16 value tiles
-  [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi], all in ``layout`` (WGMMA_8BIT)."""
+def _dequant_int4_magic(c, *scales, math_dtype, layout):
+  """(64, 64) int8 code bytes and (64, 64) broadcast scale/zero arrays s_lo, z_lo, s_hi, z_hi
+  (bf16 with the zero shifted to z + 8 s, or f32 with z - 128 s; see dequant_ptx) -> (lo, hi)
+  bf16 value tiles [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi], all in ``layout``
+  (WGMMA_8BIT). math_dtype="unpack" (a timing diagnostic) takes no scales and returns
+  [128 + code_lo | 128 + code_hi]."""
   from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
   from jaxlib.mlir import ir
@@ -577,8 +600,8 @@ def _dequant_int4_magic(c, s_lo, z_lo, s_hi, z_hi, *, math_dtype, layout):
 
   out_t = plgpu.ShapeDtypeStruct(c.shape, jnp.bfloat16, layout=layout)
 
-  @plgpu.inline_mgpu(arg_types=(layout,) * 5, return_type=(out_t, out_t))
-  def convert(_, codes, s0, z0, s1, z1):
+  @plgpu.inline_mgpu(arg_types=(layout,) * (1 + len(scales)), return_type=(out_t, out_t))
+  def convert(_, codes, *scale_arrays):
     i32 = ir.IntegerType.get_signless(32)
     f32 = ir.F32Type.get()
     bf16 = ir.BF16Type.get()
@@ -591,7 +614,7 @@ def _dequant_int4_magic(c, s_lo, z_lo, s_hi, z_hi, *, math_dtype, layout):
     hi_regs = np.empty_like(codes.registers)
     for idx, reg in np.ndenumerate(codes.registers):
       w = mgpu_utils.bitcast(reg, i32)
-      ops = [w] + [x for a in (s0, z0, s1, z1) for x in words(a.registers[idx], n, ty)]
+      ops = [w] + [x for a in scale_arrays for x in words(a.registers[idx], n, ty)]
       res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), ops, asm, cons)
       out = [llvm.extractvalue(i32, res, [k]) for k in range(4)]
       pair = lambda a, b: vector.bitcast(ir.VectorType.get((4,), bf16), mgpu_utils.vector_concat(
@@ -601,7 +624,7 @@ def _dequant_int4_magic(c, s_lo, z_lo, s_hi, z_hi, *, math_dtype, layout):
     mk = lambda regs: mgpu.FragmentedArray(_registers=regs, _layout=codes.layout, _is_signed=None)
     return mk(lo_regs), mk(hi_regs)
 
-  return convert(c, s_lo, z_lo, s_hi, z_hi)
+  return convert(c, *scales)
 
 
 def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: float, num_q_tiles=None,
@@ -671,6 +694,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       rank, q_tile = 0, lax.axis_index("q_seq")
     wg_idx = lax.axis_index("wg")
     skip_convert = cfg.diagnostic.startswith("no_convert")
+    unpack_k_only = cfg.diagnostic == "unpack_only"  # timing diagnostics: codes without scales
+    unpack_v_only = cfg.diagnostic in _UNPACK_DIAGNOSTICS
 
     def perform_schedule_barrier():
       if cfg.schedule_barrier:
@@ -712,18 +737,22 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     def magic_math(dst, rows, c, s_lo, s_hi, z_lo, z_hi, *, bcast_dim, remote_bar=None):
       """dst[rows] = [code_lo * s_lo + z_lo | code_hi * s_hi + z_hi] via _dequant_int4_magic;
       with remote_bar (cluster_share) also into the peer CTA's dst[rows], which completes
-      two arrivals (and the bytes) of the peer's remote_bar."""
-      shape = (_SUB, _HALF)
-      dt = jnp.bfloat16 if cfg.k_math == "bf16" else jnp.float32
-      if cfg.bf16_scales:  # already the bf16 scale and midpoint (_attention_call)
-        pass
-      elif cfg.k_math == "f32":  # the PTX works on 128 + code: take 128 s off the zero, in f32
-        z_lo, z_hi = z_lo - 128.0 * s_lo, z_hi - 128.0 * s_hi
-      else:  # the PTX works on code - 8: the zero becomes the group midpoint z + 8 s
-        z_lo, z_hi = z_lo + 8.0 * s_lo, z_hi + 8.0 * s_hi
-      bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v.astype(dt), shape, [bcast_dim]), codes_layout)
-      lo, hi = _dequant_int4_magic(c, bc(s_lo), bc(z_lo), bc(s_hi), bc(z_hi), math_dtype=cfg.k_math,
-                                   layout=codes_layout)
+      two arrivals (and the bytes) of the peer's remote_bar. Scales of None (the unpack
+      diagnostics): dst[rows] = [128 + code_lo | 128 + code_hi]."""
+      if s_lo is None:
+        lo, hi = _dequant_int4_magic(c, math_dtype="unpack", layout=codes_layout)
+      else:
+        shape = (_SUB, _HALF)
+        dt = jnp.bfloat16 if cfg.k_math == "bf16" else jnp.float32
+        if cfg.bf16_scales:  # already the bf16 scale and midpoint (_attention_call)
+          pass
+        elif cfg.k_math == "f32":  # the PTX works on 128 + code: take 128 s off the zero, in f32
+          z_lo, z_hi = z_lo - 128.0 * s_lo, z_hi - 128.0 * s_hi
+        else:  # the PTX works on code - 8: the zero becomes the group midpoint z + 8 s
+          z_lo, z_hi = z_lo + 8.0 * s_lo, z_hi + 8.0 * s_hi
+        bc = lambda v: plgpu.layout_cast(lax.broadcast_in_dim(v.astype(dt), shape, [bcast_dim]), codes_layout)
+        lo, hi = _dequant_int4_magic(c, bc(s_lo), bc(z_lo), bc(s_hi), bc(z_hi), math_dtype=cfg.k_math,
+                                     layout=codes_layout)
       dst[rows, pl.ds(0, _HALF)] = lo
       dst[rows, pl.ds(_HALF, _HALF)] = hi
       if remote_bar is not None:
@@ -740,6 +769,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       for j in range(0 if skip_convert else load_sub):
         rows = pl.ds(j * _SUB, _SUB)
         c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
+        if unpack_k_only:
+          magic_math(dst, dst_rows(j), c, None, None, None, None, bcast_dim=1, remote_bar=remote_bar)
+          continue
         s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
         s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
         z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
@@ -768,6 +800,9 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       for j in range(0 if skip_convert else load_sub):
         rows = pl.ds(j * _SUB, _SUB)
         c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
+        if unpack_v_only:
+          magic_math(dst, dst_rows(j), c, None, None, None, None, bcast_dim=0, remote_bar=remote_bar)
+          continue
         s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
         z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
         if cfg.convert == "magic":

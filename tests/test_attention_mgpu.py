@@ -232,6 +232,25 @@ def test_magic_ptx_dequantizes_split_half_codes(seed, math_dtype):
     np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2)  # the dequantized values themselves
 
 
+def test_unpack_diagnostic_ptx_gives_128_plus_code(seed):
+  rng = np.random.default_rng(seed)
+  asm, cons = amg.dequant_ptx("unpack")
+  assert cons.count("r") == 5  # four bf16x2 outputs, the code word, no scale operands
+  for _ in range(20):
+    b = rng.integers(0, 256, 4)
+    word = int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24)
+    out = _run_ptx(asm, [0, 0, 0, 0, word])
+    got = [_bf16_bits_to_f32(w >> 16 * i & 0xFFFF) for w in out for i in (0, 1)]
+    assert got == [128.0 + (int(x) & 15) for x in b] + [128.0 + (int(x) >> 4) for x in b]
+
+
+def test_unpack_diagnostics_need_bf16_scales():
+  with pytest.raises(ValueError, match="bf16_scales"):
+    amg.MgpuConfig(**{**amg.VARIANTS["deqwg_magic_bf16"], "diagnostic": "unpack_only"})
+  with pytest.raises(ValueError, match="diagnostic other than"):
+    amg.MgpuConfig(**{**amg.VARIANTS["deqwg_magic_bf16_pk"], "diagnostic": "no_convert"})
+
+
 def test_head_group_call_rounds_only_its_heads_scales():
   """A call over heads [2, 4) of 4 passes the kernel bf16 scales of those 2 heads only, so
   the fast path's loop over head groups never holds bf16 copies of every head's scales."""
