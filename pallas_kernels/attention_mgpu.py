@@ -177,7 +177,7 @@ _HEAD_DIM = 128
 _HALF = _HEAD_DIM // 2
 _SUB = fmt.BLOCK  # rows per dequantization sub-tile == quantization block (64)
 _COMPUTE_WGS = 2
-_UNPACK_DIAGNOSTICS = ("unpack_only", "v_unpack_only")
+_UNPACK_DIAGNOSTICS = ("unpack_only", "k_unpack_only", "v_unpack_only")
 
 
 def _reg_pool(num_wgs: int) -> int:
@@ -208,8 +208,8 @@ class MgpuConfig:
   # Timing diagnostics only, the output is WRONG: "k_noscale" stores K codes without the
   # per-channel scale math; "no_convert" skips every code load/convert/store (barriers stay);
   # "no_convert_no_vmath" also drops the V scale/zero math from the softmax.
-  # "unpack_only" / "v_unpack_only" (convert="magic" with bf16_scales): the converter
-  # only unpacks K and V (or only V) codes into bf16 128 + code, without loading scales
+  # "unpack_only" / "k_unpack_only" / "v_unpack_only" (convert="magic" with bf16_scales):
+  # the converter only unpacks K and V (or only K, or only V) codes into bf16 128 + code, without loading scales
   # or applying them: the converter's share of a format whose scales factor out of the
   # dots (the extra work such a format puts on the compute warpgroups is not modelled).
   diagnostic: str = ""
@@ -247,6 +247,10 @@ class MgpuConfig:
   # each ready wait (the PTX memory model does not order the peer's st.async writes before
   # wgmma's reads without it, so results are not guaranteed).
   cluster_fence: bool = True
+  # convert="magic": a converter loads the codes and scales of every 64-row sub-tile of a
+  # step before it stores the first converted one (a converter warp is alone on its
+  # scheduler, so it hides SMEM latency only with independent work in flight).
+  converter_prefetch: bool = False
   compute_regs: int = 232         # setmaxnreg of each compute warpgroup
   memory_regs: int = 40           # setmaxnreg of each memory warpgroup (the pool: __post_init__)
 
@@ -263,7 +267,7 @@ class MgpuConfig:
       raise ValueError(f"k_math={self.k_math!r} must be 'f32' or 'bf16'")
     if self.diagnostic not in ("", "k_noscale", "no_convert", "no_convert_no_vmath") + _UNPACK_DIAGNOSTICS:
       raise ValueError(f"diagnostic={self.diagnostic!r} must be '', 'k_noscale', 'no_convert', "
-                       "'no_convert_no_vmath', 'unpack_only' or 'v_unpack_only'")
+                       "'no_convert_no_vmath', 'unpack_only', 'k_unpack_only' or 'v_unpack_only'")
     if self.v_math not in ("p_scale", "tile"):
       raise ValueError(f"v_math={self.v_math!r} must be 'p_scale' or 'tile'")
     if self.v_math == "tile" and not self.shared_deq:
@@ -282,6 +286,8 @@ class MgpuConfig:
       raise ValueError(f"diagnostic={self.diagnostic!r} needs convert='magic' with bf16_scales=True")
     if self.bf16_scales and not (self.convert == "magic" and self.k_math == "bf16"):
       raise ValueError("bf16_scales=True needs convert='magic' and k_math='bf16'")
+    if self.converter_prefetch and self.convert != "magic":
+      raise ValueError("converter_prefetch=True needs convert='magic'")
     if self.deq_slots < 2:
       raise ValueError(f"deq_slots={self.deq_slots} must be >= 2")
     if self.converter_wgs not in (1, 2):
@@ -421,6 +427,9 @@ VARIANTS = {
     "deqwg2_bkv128_pk_cl2": {**_DEQWG2_BKV128_PK, "cluster_share": True},
     "deqwg2_bkv128_pk_cl2_nab": {**_DEQWG2_BKV128_PK, "cluster_share": True, "auto_barriers": False},
     "deqwg2_bkv128_pk_cl2_nosched": {**_DEQWG2_BKV128_PK, "cluster_share": True, "schedule_barrier": False},
+    # Each converter issues both sub-tiles' SMEM loads of a step before its first store
+    # (converter_prefetch; at 64 keys per step there is one sub-tile, so nothing to move).
+    "deqwg2_bkv128_pk_nab_pf": {**_DEQWG2_BKV128_PK, "auto_barriers": False, "converter_prefetch": True},
     # 3-deep bf16 rings at 64 keys: the converter may run two tiles ahead.
     "deqwg_s3": {"block_q": 128, "shared_deq": True, "codes_layout": "wgmma_8bit", "v_math": "tile",
                  "deq_wg": True, "deq_slots": 3, "compute_regs": 224, "memory_regs": 56},
@@ -451,6 +460,8 @@ DIAGNOSTIC_VARIANTS = {
     "diag_deqwg2_bkv128_pk_nab_unpack_only": {**VARIANTS["deqwg2_bkv128_pk_nab"], "diagnostic": "unpack_only"},
     "diag_deqwg2_bkv128_pk_nab_v_unpack_only": {**VARIANTS["deqwg2_bkv128_pk_nab"],
                                                 "diagnostic": "v_unpack_only"},
+    "diag_deqwg2_bkv128_pk_nab_k_unpack_only": {**VARIANTS["deqwg2_bkv128_pk_nab"],
+                                                "diagnostic": "k_unpack_only"},
     # The same at the default's 128 x 64 with one converter.
     "diag_pk_unpack_only": {**VARIANTS["deqwg_magic_bf16_pk"], "diagnostic": "unpack_only"},
 }
@@ -694,8 +705,8 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
       rank, q_tile = 0, lax.axis_index("q_seq")
     wg_idx = lax.axis_index("wg")
     skip_convert = cfg.diagnostic.startswith("no_convert")
-    unpack_k_only = cfg.diagnostic == "unpack_only"  # timing diagnostics: codes without scales
-    unpack_v_only = cfg.diagnostic in _UNPACK_DIAGNOSTICS
+    unpack_k_only = cfg.diagnostic in ("unpack_only", "k_unpack_only")  # timing diagnostics:
+    unpack_v_only = cfg.diagnostic in ("unpack_only", "v_unpack_only")  # codes without scales
 
     def perform_schedule_barrier():
       if cfg.schedule_barrier:
@@ -764,21 +775,46 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
     # [64 rank, 64 rank + 64) of the bf16 tiles (its own and the peer's).
     dst_rows = lambda j: pl.ds(rank * _SUB, _SUB) if share else pl.ds(j * _SUB, _SUB)
 
+    def load_k_operands(slot, j):
+      c = _smem_load(kc_smem.at[slot, pl.ds(j * _SUB, _SUB)], (), layout=codes_layout)
+      if unpack_k_only:
+        return c, None, None, None, None
+      return (c,) + tuple(_smem_load(ref.at[slot, j, pl.ds(h * _HALF, _HALF)], (), layout=col_layout)
+                          for ref, h in ((ks_smem, 0), (ks_smem, 1), (kz_smem, 0), (kz_smem, 1)))
+
+    def load_v_operands(slot, j):
+      rows = pl.ds(j * _SUB, _SUB)
+      c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
+      if unpack_v_only:
+        return c, None, None, None, None
+      s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
+      z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
+      return c, s, s, z, z
+
+    def convert_magic(load_operands, slot, dst, remote_bar, bcast_dim):
+      """convert='magic': every 64-row sub-tile of a ring slot -> dst; with
+      cfg.converter_prefetch all sub-tiles' SMEM loads come before the first store, so the
+      loads of sub-tile j + 1 need not wait behind the stores of sub-tile j."""
+      subs = range(0 if skip_convert else load_sub)
+      if cfg.converter_prefetch:
+        operands = [load_operands(slot, j) for j in subs]
+        for j, ops in zip(subs, operands):
+          magic_math(dst, dst_rows(j), *ops, bcast_dim=bcast_dim, remote_bar=remote_bar)
+      else:
+        for j in subs:
+          magic_math(dst, dst_rows(j), *load_operands(slot, j), bcast_dim=bcast_dim, remote_bar=remote_bar)
+
     def convert_k(slot, dst, remote_bar=None):
       """K codes + per-channel scales of TMA ring slot -> bf16 K tile dst."""
+      if cfg.convert == "magic":
+        return convert_magic(load_k_operands, slot, dst, remote_bar, bcast_dim=1)
       for j in range(0 if skip_convert else load_sub):
         rows = pl.ds(j * _SUB, _SUB)
         c = _smem_load(kc_smem.at[slot, rows], (), layout=codes_layout)
-        if unpack_k_only:
-          magic_math(dst, dst_rows(j), c, None, None, None, None, bcast_dim=1, remote_bar=remote_bar)
-          continue
         s_lo = _smem_load(ks_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
         s_hi = _smem_load(ks_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
         z_lo = _smem_load(kz_smem.at[slot, j, pl.ds(0, _HALF)], (), layout=col_layout)
         z_hi = _smem_load(kz_smem.at[slot, j, pl.ds(_HALF, _HALF)], (), layout=col_layout)
-        if cfg.convert == "magic":
-          magic_math(dst, dst_rows(j), c, s_lo, s_hi, z_lo, z_hi, bcast_dim=1, remote_bar=remote_bar)
-          continue
         lo, hi = _nibbles_bf16(c)
         if cfg.diagnostic == "k_noscale":
           dst[rows, pl.ds(0, _HALF)] = lo
@@ -797,17 +833,13 @@ def _attention_call(q, kc, ks, kz, vc, vs, vz, *, cfg: MgpuConfig, sm_scale: flo
 
     def convert_v_tile(slot, dst, remote_bar=None):
       """V codes + per-token scale/zero of TMA ring slot -> bf16 V tile dst (v_math='tile')."""
+      if cfg.convert == "magic":
+        return convert_magic(load_v_operands, slot, dst, remote_bar, bcast_dim=0)
       for j in range(0 if skip_convert else load_sub):
         rows = pl.ds(j * _SUB, _SUB)
         c = _smem_load(vc_smem.at[slot, rows], (), layout=codes_layout)
-        if unpack_v_only:
-          magic_math(dst, dst_rows(j), c, None, None, None, None, bcast_dim=0, remote_bar=remote_bar)
-          continue
         s = _smem_load(vs_smem.at[slot, rows], (), layout=row_layout)
         z = _smem_load(vz_smem.at[slot, rows], (), layout=row_layout)
-        if cfg.convert == "magic":
-          magic_math(dst, dst_rows(j), c, s, s, z, z, bcast_dim=0, remote_bar=remote_bar)
-          continue
         lo, hi = _nibbles_bf16(c)
         scale_math(dst, rows, lo, hi, s, s, z, z, bcast_dim=0)
 
