@@ -101,6 +101,17 @@ def _make_inputs(b, t, h, d, seed, prefix_tokens=0):
   return q, k, v, packed
 
 
+def _reference_rows(q_sub, packed, q_seg=None, kv_seg=None, chunk=32):
+  """packed_attention_reference on q_sub's rows, in chunks: at H3 size one 256-row float32
+  score tensor is 8.7 GB, more than an H100 has left beside the inputs."""
+  out = []
+  for i in range(0, q_sub.shape[1], chunk):
+    seg = None if q_seg is None else q_seg[i:i + chunk]
+    out.append(np.asarray(packed_attention_reference(q_sub[:, i:i + chunk], packed, q_segment_ids=seg,
+                                                     kv_segment_ids=kv_seg)))
+  return np.concatenate(out, axis=1)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tokens", type=int, default=152263)
@@ -116,10 +127,18 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--prefix-tokens", type=int, default=0,
                   help="a conditioning prefix of this many tokens kept at int8 (H3's text/refs/audio)")
+  ap.add_argument("--mgpu-variants", default="",
+                  help="comma-separated attention_mgpu.VARIANTS names: also time packed_attention's fast "
+                       "path with each (_mgpu_variant), after the sweep")
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny interpret-mode run on a CPU")
   ap.add_argument("--out", default=None,
                   help="default benchmarks/results/attention_h200.json (attention_cpu_smoke.json with --cpu-smoke)")
   args = ap.parse_args(argv)
+  from pallas_kernels.attention_mgpu import DEFAULT_VARIANT, VARIANTS
+  variants = [v for v in args.mgpu_variants.split(",") if v]
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown:
+    sys.exit(f"unknown --mgpu-variants {unknown}; use names from attention_mgpu.VARIANTS")
   if args.out is None:
     name = "attention_cpu_smoke.json" if args.cpu_smoke else "attention_h200.json"
     args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
@@ -143,21 +162,23 @@ def main(argv=None):
   # is fine for a check, never for the timed path.
   rows = np.unique(np.linspace(0, t - 1, min(args.check_rows, t)).astype(np.int32))
   q_sub = q[:, rows]
-  ref = np.asarray(packed_attention_reference(q_sub, packed))
+  ref = _reference_rows(q_sub, packed)
   check = {}
   results = []
-  for block_q, warps, stages, tune, *backend in SWEEP[: args.sweep]:
-    backend = backend[0] if backend else "triton"
+  configs = list(SWEEP[: args.sweep]) + [(256, None, None, {}, "auto", v) for v in variants]
+  for block_q, warps, stages, tune, *backend in configs:
+    backend, variant = (backend + [None])[:2] if backend else ("triton", None)
     if backend == "auto":
-      name = "packed default (backend=auto)"
+      name = f"packed backend=auto, variant {variant}" if variant else "packed default (backend=auto)"
     else:
       name = f"packed triton bq={block_q} w={warps} s={stages}" + (f" {tune}" if tune else "")
     kw = dict(block_q=block_q, num_warps=warps, num_stages=stages, interpret=interpret, _tune=tune or None,
-              backend=backend)
+              backend=backend, _mgpu_variant=variant)
     entry = {"impl": "packed_attention", "backend": backend, "block_q": block_q, "num_warps": warps,
              "num_stages": stages, "tune": tune, "classes": class_counts}
     if backend == "auto":
-      entry["fast_path"] = mgpu_unsupported_reason(q, packed, interpret=interpret) or "used"
+      entry["mgpu_variant"] = variant or DEFAULT_VARIANT
+      entry["fast_path"] = mgpu_unsupported_reason(q, packed, interpret=interpret, variant=variant) or "used"
     try:
       out_sub = np.asarray(packed_attention(q_sub, packed, **kw), np.float32)
       entry["check_vs_reference"] = quality(out_sub, ref)
@@ -186,8 +207,7 @@ def main(argv=None):
       kw = dict(q_segment_ids=seg, kv_segment_ids=seg, interpret=interpret)
       out_sub = np.asarray(packed_attention(q_sub, packed, q_segment_ids=seg[rows], kv_segment_ids=seg,
                                             interpret=interpret), np.float32)
-      entry["check_vs_reference"] = quality(out_sub, np.asarray(packed_attention_reference(
-          q_sub, packed, q_segment_ids=seg[rows], kv_segment_ids=seg)))
+      entry["check_vs_reference"] = quality(out_sub, _reference_rows(q_sub, packed, seg[rows], seg))
       med, all_t = _time(lambda: packed_attention(q, packed, **kw), args.warmup, args.repeats, sync)
       dense = results[0][1].get("seconds") if results else None
       entry |= {"seconds": med, "all_seconds": all_t, "tflops": flops / n_seg / med / 1e12,
