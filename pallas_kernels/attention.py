@@ -53,10 +53,10 @@ Kernel layout (why it looks like this)
 Hopper fast path (``backend="auto"``, the default)
 -------------------------------------------------
 On an sm_90 GPU, for head_dim 128, the default K/V schemes, no segments or mask and
-Tq of at least one 256-row tile (``mgpu_unsupported_reason``), ``packed_attention`` runs two
+Tq of at least one q tile (2 x the variant's block_q rows: 128 with the default; ``mgpu_unsupported_reason``), ``packed_attention`` runs two
 kernels over one online softmax (``_fast_path_call``):
 1. the Mosaic-GPU wgmma kernel (``attention_mgpu._attention_call``) over every full
-   int4 block for every whole 256-row q tile, writing its normalized output (rotated
+   int4 block for every whole q tile, writing its normalized output (rotated
    basis) and its lse;
 2. this kernel with ``init``: it starts from (m = lse, l = 1, o), which is exactly the
    state of an online softmax that has seen those keys, visits the int8 and bf16 blocks
@@ -630,7 +630,7 @@ def _fast_path_plan(meta, tq, block_q, variant) -> _FastPathPlan:
 
 def _fast_path_call(q, packed, out, *, sm_scale, keep_rotated, block_q, num_warps, num_stages, tune,
                     overwrite_q, variant, interpret=False, _first_pass=None):
-  """Mosaic-GPU over (full int4 blocks) x (whole 256-row q tiles), saving its lse; then
+  """Mosaic-GPU over (full int4 blocks) x (whole q tiles), saving its lse; then
   the Triton kernel continues those rows over the other blocks (int8, bf16, a ragged
   int4 tail) and un-rotates, and computes the ragged q rows past the last whole tile.
 
@@ -704,7 +704,7 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   backend: "auto" (default) runs the Hopper fast path when it applies
   (``mgpu_unsupported_reason`` is None: an sm_90 GPU, head_dim 128, the default K/V
   schemes, no segments or mask): the Mosaic-GPU wgmma kernel
-  (``attention_mgpu.py``) takes every full int4 block for every whole 256-row q tile,
+  (``attention_mgpu.py``) takes every full int4 block for every whole q tile (128 rows),
   and this Triton kernel continues its online softmax over the other blocks (int8,
   bf16, a ragged int4 tail) and the ragged q rows. "triton" always runs this kernel
   alone; "mgpu" asks for the fast path and raises if it cannot run.

@@ -134,9 +134,14 @@ and give wrong results on purpose: the probe times them to split the kernel's ti
   rounding is far smaller: rel L2 against the float32 reference 5.4e-3, against 1.1e-2
   before centering (``attention_mgpu_probe_9.json`` vs ``_10.json``).
 
-Status: the default ``DEFAULT_VARIANT = "deqwg_magic_bf16_pk"`` (the memory warpgroup
-converts K and V with the inline PTX, bf16 math, wrapper-rounded bf16 scales, 224/224/56
-registers) ran 1.411-1.447 s in six H200 runs at T = 152,320, B = 1, H = 56, which is
+Status: the fastest variant through ``packed_attention`` is ``deqwg2_bkv128_pk_nab`` (64
+rows x 128 keys per compute warpgroup, one converter warpgroup for K and one for V, no
+automatic barriers). At B = 1, H = 56, T = 152,263 it ran 1.428-1.440 s, 1.19x jax cuDNN
+BF16 in the same processes, against 1.33x for the default (H100, ``attention_h100_v7.json``,
+``_v7b.json``); it is not the default until the fast path's GPU tests have run with it
+(see ``DEFAULT_VARIANT``). The default ``DEFAULT_VARIANT = "deqwg_magic_bf16_pk"``
+(the memory warpgroup converts K and V with the inline PTX, bf16 math, wrapper-rounded
+bf16 scales, 224/224/56 registers) ran 1.411-1.447 s in six H200 runs at T = 152,320, B = 1, H = 56, which is
 1.225-1.251x jax cuDNN BF16 timed in the same processes (``attention_mgpu_probe_13.json``
 to ``_18.json``), with cos 0.999984-5 and rel L2 5.4-5.7e-3 against the float32 reference.
 The goal is 1.1x; it is not reached. Where the time goes (benchmarks/NOTES.md): at the
@@ -467,11 +472,12 @@ DIAGNOSTIC_VARIANTS = {
 }
 
 
-# The fastest variant measured on the H200 across runs (benchmarks/NOTES.md): bf16 K/V
-# math with the centered zero point and wrapper-rounded scales, rel L2 5.4e-3 against the
-# float32 reference, inside the GPU tests' 1e-2 bound (the f32-math deqwg points are
-# slower: 56 registers are too few). deqwg2_bkv128_pk_nab beat it by 1.4% once (probe_18),
-# inside the run-to-run spread, so the default stayed.
+# bf16 K/V math with the centered zero point and wrapper-rounded scales, rel L2 5.4e-3
+# against the float32 reference. deqwg2_bkv128_pk_nab is faster: 2.5-3% in the standalone
+# probe (probe_18, _21, _22) and 10-11% through packed_attention at T = 152,263
+# (attention_h100_v7*.json: 1.19x against 1.33x cuDNN). It is not the default yet: its
+# own GPU test passes, but tests/test_fast_path.py's GPU tests (head groups, overwrite_q,
+# given buffers, partial calls) have not run with it. Switch after they pass.
 DEFAULT_VARIANT = "deqwg_magic_bf16_pk"
 
 

@@ -74,8 +74,9 @@ def test_diagnostic_variants_lower_for_cuda(variant):
 
 
 def test_config_explicit_blocks_override_the_variant():
-  assert amg.make_config().block_q == amg.VARIANTS[amg.DEFAULT_VARIANT]["block_q"] == 128
-  assert amg.make_config(block_q=64).block_q == 64
+  assert amg.make_config().block_q == amg.VARIANTS[amg.DEFAULT_VARIANT]["block_q"]
+  assert amg.make_config(variant="deqwg_magic_bf16_pk").block_q == 128
+  assert amg.make_config(block_q=64, variant="deqwg_magic_bf16_pk").block_q == 64
   assert amg.make_config(block_kv=128, variant="base").block_kv == 128
   assert amg.make_config(variant="base").block_kv == 64
   assert amg.DEFAULT_VARIANT in amg.VARIANTS

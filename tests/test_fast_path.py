@@ -1,5 +1,5 @@
 """The Hopper fast path of ``packed_attention``: the Mosaic-GPU kernel on the full int4
-blocks of whole 256-row q tiles, then the Triton kernel continuing its online softmax.
+blocks of whole q tiles (2 x the variant's block_q rows), then the Triton kernel continuing its online softmax.
 
 On the CPU the Mosaic-GPU pass is replaced by its float32 reference
 (``attention_mgpu.attention_call_reference``, which leaves NaN where the kernel leaves
@@ -62,8 +62,8 @@ def _composed(q, packed, out=None, *, overwrite_q=False, keep_rotated=False, var
 
 @pytest.mark.parametrize("mode", ["fresh", "overwrite_q", "given_buffer"])
 def test_composition_matches_reference(seed, mode, monkeypatch):
-  # int8 prefix, int4 body with a ragged int4 last block, Tq = 600: two whole 256-row
-  # tiles and 88 ragged rows; head groups of 2 so the grouped modes run two groups.
+  # int8 prefix, int4 body with a ragged int4 last block, Tq = 600: whole q tiles and
+  # ragged rows (88 past 256-row tiles, 88 past 128-row ones); head groups of 2 so the grouped modes run two groups.
   monkeypatch.setattr(attn, "_MGPU_HEAD_GROUP", 2)
   q, packed = _make(seed)
   ref = packed_attention_reference(q, packed)
@@ -96,7 +96,7 @@ def test_first_pass_reference_is_a_partial_softmax(seed):
   """The stand-in itself: its (o, lse) over the first keys, merged with plain attention
   over the rest by lse weights, is attention over all keys."""
   q, packed = _make(seed, tq=512, tkv=512, token_ranges=())
-  cfg = amg.make_config()
+  cfg = amg.make_config(variant="deqwg_magic_bf16_pk")  # 256-row tiles, 64-key steps: 5 steps = 320 keys
   o1, lse1 = amg.attention_call_reference(q, *amg.int4_store_operands(packed), cfg=cfg, sm_scale=0.1,
                                           num_q_tiles=1, kv_steps=5, save_lse=True)
   assert np.isnan(np.asarray(o1[:, 256:], np.float32)).all() and lse1.shape == (1, 4, 256)
