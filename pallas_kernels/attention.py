@@ -53,8 +53,9 @@ Kernel layout (why it looks like this)
 Hopper fast path (``backend="auto"``, the default)
 -------------------------------------------------
 On an sm_90 GPU, for head_dim 128, the default K/V schemes, no segments or mask and
-Tq of at least one q tile (2 x the variant's block_q rows: 128 with the default; ``mgpu_unsupported_reason``), ``packed_attention`` runs two
-kernels over one online softmax (``_fast_path_call``):
+Tq of at least one q tile (2 x the variant's block_q rows: 256 with the default;
+``mgpu_unsupported_reason``), ``packed_attention`` runs two kernels over one online
+softmax (``_fast_path_call``):
 1. the Mosaic-GPU wgmma kernel (``attention_mgpu._attention_call``) over every full
    int4 block for every whole q tile, writing its normalized output (rotated
    basis) and its lse;
@@ -704,7 +705,7 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   backend: "auto" (default) runs the Hopper fast path when it applies
   (``mgpu_unsupported_reason`` is None: an sm_90 GPU, head_dim 128, the default K/V
   schemes, no segments or mask): the Mosaic-GPU wgmma kernel
-  (``attention_mgpu.py``) takes every full int4 block for every whole q tile (128 rows),
+  (``attention_mgpu.py``) takes every full int4 block for every whole q tile (256 rows),
   and this Triton kernel continues its online softmax over the other blocks (int8,
   bf16, a ragged int4 tail) and the ragged q rows. "triton" always runs this kernel
   alone; "mgpu" asks for the fast path and raises if it cannot run.

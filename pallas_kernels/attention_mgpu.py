@@ -141,9 +141,9 @@ BF16 in the same processes, against 1.33x for the default (H100, ``attention_h10
 ``_v7b.json``); it is not the default until the fast path's GPU tests have run with it
 (see ``DEFAULT_VARIANT``). The default ``DEFAULT_VARIANT = "deqwg_magic_bf16_pk"``
 (the memory warpgroup converts K and V with the inline PTX, bf16 math, wrapper-rounded
-bf16 scales, 224/224/56 registers) ran 1.411-1.447 s in six H200 runs at T = 152,320, B = 1, H = 56, which is
-1.225-1.251x jax cuDNN BF16 timed in the same processes (``attention_mgpu_probe_13.json``
-to ``_18.json``), with cos 0.999984-5 and rel L2 5.4-5.7e-3 against the float32 reference.
+bf16 scales, 224/224/56 registers) ran 1.411-1.447 s in six H200 runs at T = 152,320,
+B = 1, H = 56, which is 1.225-1.251x jax cuDNN BF16 timed in the same processes
+(``attention_mgpu_probe_13.json`` to ``_18.json``), with cos 0.999984-5 and rel L2 5.4-5.7e-3 against the float32 reference.
 The goal is 1.1x; it is not reached. Where the time goes (benchmarks/NOTES.md): at the
 default's 128 rows x 64 keys the skeleton without any conversion is as slow (1.47 s; the
 64-key QK^T wgmma reads both operands from SMEM at its full bandwidth), while at 64 rows x

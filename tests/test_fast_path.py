@@ -1,5 +1,6 @@
 """The Hopper fast path of ``packed_attention``: the Mosaic-GPU kernel on the full int4
-blocks of whole q tiles (2 x the variant's block_q rows), then the Triton kernel continuing its online softmax.
+blocks of whole q tiles (2 x the variant's block_q rows), then the Triton kernel
+continuing its online softmax.
 
 On the CPU the Mosaic-GPU pass is replaced by its float32 reference
 (``attention_mgpu.attention_call_reference``, which leaves NaN where the kernel leaves
@@ -63,7 +64,8 @@ def _composed(q, packed, out=None, *, overwrite_q=False, keep_rotated=False, var
 @pytest.mark.parametrize("mode", ["fresh", "overwrite_q", "given_buffer"])
 def test_composition_matches_reference(seed, mode, monkeypatch):
   # int8 prefix, int4 body with a ragged int4 last block, Tq = 600: whole q tiles and
-  # ragged rows (88 past 256-row tiles, 88 past 128-row ones); head groups of 2 so the grouped modes run two groups.
+  # 88 ragged rows (with 256- or 128-row tiles); head groups of 2 so the grouped modes
+  # run two groups.
   monkeypatch.setattr(attn, "_MGPU_HEAD_GROUP", 2)
   q, packed = _make(seed)
   ref = packed_attention_reference(q, packed)
