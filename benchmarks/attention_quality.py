@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import formats as fmt  # noqa: E402
 from benchmarks.quality import dit_qkv, fake_quant, quality  # noqa: E402
-from benchmarks.run_info import package_versions  # noqa: E402
+from benchmarks.common import package_versions  # noqa: E402
 from pallas_kernels.attention import attention_f32, packed_attention, packed_attention_reference  # noqa: E402
 
 GOALS = {"int4": {"cos": 0.999, "rel_l1": 0.05}, "int8": {"cos": 0.9999}}

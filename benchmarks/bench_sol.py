@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks.quality import dit_grid, quality
-from benchmarks.run_info import package_versions  # noqa: E402
+from benchmarks.common import package_versions  # noqa: E402
 from formats import packed_kv as fmt
 from pallas_kernels import rope as rope_lib
 

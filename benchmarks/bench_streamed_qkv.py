@@ -1,76 +1,33 @@
-"""Benchmark the streamed QKV projection at MiniMax-H3 width against a plain BF16 GEMM.
+"""Speed and device-level memory of the streamed QKV projection against a plain cuBLAS
+GEMM, in one process (``streamed_qkv`` methods: ``chunked`` at several scratch budgets,
+``fused``).
 
-GPU (H200):  python benchmarks/bench_streamed_qkv.py [--tokens 152263] [--configs 0,5]
-CPU smoke:   python benchmarks/bench_streamed_qkv.py --tokens 300 --hidden 256 --heads 2
-             --cpu-smoke   (interpret mode, under a minute)
+  python -m benchmarks.bench_streamed_qkv                       # GPU: T = 38,247 and 152,263
+  python -m benchmarks.bench_streamed_qkv --tokens 300 --hidden 256 --heads 2 --cpu-smoke
 
-Every measured configuration runs in a fresh subprocess, so that its
-``peak_bytes_in_use`` belongs to it alone. A worker builds the inputs, runs the
-kernel once (compile + run) and reads the peak, times the kernel, then times a
-plain ``x @ W`` BF16 GEMM (cuBLAS through XLA) of the same shape in the same
-process. The first worker also checks the kernel against
-``streamed_qkv_reference`` on a head and a tail subset of rows (the reference on
-all rows would build the very tensors the kernel avoids). One more worker measures
-the BF16 GEMM's own peak memory, for contrast. The parent never touches the GPU.
+Per T: XLA's cuBLAS BF16 ``x @ W`` of the same shape (the peer), then each variant:
+one checked call (codes and Q against ``streamed_qkv_reference`` on a head and a tail
+row subset), then the timed calls. Device-level peak: the lowest ``cudaMemGetInfo``
+free seen while the variant runs, against the free memory before it, with JAX's
+platform allocator so that every buffer is returned between variants. Writes JSON
+(``benchmarks/results/streamed_qkv_<card>_<date>.json``) and updates the scorecard.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shlex
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")  # device-level peaks per variant
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from benchmarks.run_info import package_versions  # noqa: E402
+from benchmarks import common  # noqa: E402
 
-# Tuning variants of streamed_qkv. Shared memory per stage is (block_q + qh * D) *
-# block_h * 2 B for Q (qh = q_heads_per_program) and (64 * nb + 2 * D) * block_h * 2 B
-# for K/V (nb = kv_blocks_per_program); H200 allows 227 KiB per block, so
-# block_h=128 needs K/V stages <= 2. Every entry spells out full_width_gemm, so the
-# indices keep measuring the same thing when the defaults change. ptxas (sm_90,
-# triton 3.6): 0-7 have no spill inside the GEMM loop (block_q=256 does, left out);
-# full_width_gemm=True runs N=D dots, which needs 8 warps for that. 8-12 are the
-# larger programs: kv_blocks_per_program=2 (two 64-token blocks share each W tile)
-# has no spill in the loop at 8 warps; q_heads_per_program=2 (128 x 256 Q tile)
-# spills inside the loop (~50 STL+LDL per step at 8 warps, ~30 at 16), so 10-12 are
-# there to measure whether the better tile is still worth it.
-CONFIGS = [
-    dict(block_q=128, block_h=64, num_warps=(4, 8), num_stages=(3, 3),
-         full_width_gemm=False),  # the defaults before full_width_gemm became one
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(3, 3), full_width_gemm=False),
-    dict(block_q=128, block_h=64, num_warps=(4, 8), num_stages=(4, 4), full_width_gemm=False),
-    dict(block_q=128, block_h=128, num_warps=(8, 8), num_stages=(2, 2), full_width_gemm=False),
-    dict(block_q=64, block_h=64, num_warps=(4, 8), num_stages=(4, 3), full_width_gemm=False),
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(3, 3),
-         full_width_gemm=True),  # the defaults
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(4, 4), full_width_gemm=True),
-    dict(block_q=128, block_h=128, num_warps=(8, 8), num_stages=(2, 2), full_width_gemm=True),
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(3, 3), full_width_gemm=True,
-         kv_blocks_per_program=2),
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(3, 4), full_width_gemm=True,
-         kv_blocks_per_program=2),
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(3, 3), full_width_gemm=True,
-         q_heads_per_program=2, kv_blocks_per_program=2),
-    dict(block_q=128, block_h=64, num_warps=(16, 8), num_stages=(3, 3), full_width_gemm=True,
-         q_heads_per_program=2, kv_blocks_per_program=2),
-    dict(block_q=128, block_h=64, num_warps=(8, 8), num_stages=(4, 4), full_width_gemm=True,
-         q_heads_per_program=2, kv_blocks_per_program=2),
-]
-
-GIB = 2.0 ** 30
-
-
-# --------------------------------------------------------------------------------------
-# Worker side (one process per measurement)
-# --------------------------------------------------------------------------------------
 def make_inputs(args):
   """H3-like inputs, built without big temporaries so the peak reading stays clean."""
   import jax
@@ -201,121 +158,63 @@ def check_subsets(args, q, packed, x, w, kw, classes):
   return out
 
 
-def _timed(fn, warmup, iters):
-  """Median wall-clock seconds of fn() (which blocks until its result is ready)."""
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), times
+VARIANTS = (("chunked_128mib", dict(method="chunked", scratch_bytes=128 << 20)),
+            ("chunked_512mib", dict(method="chunked", scratch_bytes=512 << 20)),
+            ("chunked_2gib", dict(method="chunked", scratch_bytes=2 << 30)),
+            ("chunked_512mib_epilogue_8warps", dict(method="chunked", scratch_bytes=512 << 20, epilogue_num_warps=8)),
+            ("fused", dict(method="fused")))
 
 
-def _mem(dev):
-  stats = dev.memory_stats() or {}
-  return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
-
-
-def worker(args):
+def run_tokens(args, tokens):
   import jax
   import jax.numpy as jnp
 
   from pallas_kernels.streamed_qkv import streamed_qkv
 
-  dev = jax.devices()[0]
-  res = {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform}
+  args.tokens = tokens
   x, w, kw = make_inputs(args)
-  jax.block_until_ready((x, w, kw["rope_cos"]))
-  in_use0, peak0 = _mem(dev)
-  res.update(inputs_in_use=in_use0, peak_before=peak0)
-  flops = 2.0 * args.batch * args.tokens * args.hidden * 3 * args.heads * args.head_dim
-
-  if args.worker == "gemm":
-    gemm = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
-    out = jax.block_until_ready(gemm(x, w))
-    _, peak1 = _mem(dev)
-    res.update(peak=peak1, out_bytes=out.size * 2)
-    print("RESULT " + json.dumps(res), flush=True)
-    return
-
-  cfg = json.loads(args.worker_config)
-  cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}
   classes = block_classes(args)
-  run = lambda: jax.block_until_ready(streamed_qkv(x, w, **kw, block_classes=classes, **cfg))
-  t0 = time.perf_counter()
-  q, packed = run()
-  res["first_call_s"] = time.perf_counter() - t0
-  _, peak1 = _mem(dev)
-  res.update(peak=peak1, q_bytes=q.size * 2, packed_bytes=packed.nbytes(),
-             packed_detail={k: int(v.size * v.dtype.itemsize) for k, v in packed.arrays.items()})
-  # The peak reading belongs to the kernel only if building the inputs peaked lower.
-  res["peak_is_kernel"] = bool(peak1 is not None and peak0 is not None and peak1 > peak0)
-  # XLA's own accounting (an extra compile, so only in the checking worker).
-  ma = None
-  if args.check:
-    ma = streamed_qkv.trace(x, w, **kw, block_classes=classes, **cfg).lower().compile()
-    ma = ma.memory_analysis()
-  if ma is not None:
-    res["xla_memory_analysis"] = {k: int(getattr(ma, k)) for k in (
-        "temp_size_in_bytes", "output_size_in_bytes", "argument_size_in_bytes",
-        "alias_size_in_bytes") if hasattr(ma, k)}
-  if args.check:
-    res["check"] = check_subsets(args, q, packed, x, w, kw, classes)
-  del q, packed
-
-  def once():
-    out = run()
-    del out
-
-  med, times = _timed(once, args.warmup, args.iters)
-  res.update(kernel_s=med, kernel_times=times, kernel_tflops=flops / med / 1e12)
+  jax.block_until_ready((x, w, kw["rope_cos"]))
+  on_gpu = jax.default_backend() == "gpu"
   gemm = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
-  med, times = _timed(lambda: jax.block_until_ready(gemm(x, w)), max(args.warmup, 1), args.iters)
-  res.update(gemm_s=med, gemm_times=times, gemm_tflops=flops / med / 1e12)
-  print("RESULT " + json.dumps(res), flush=True)
+  rows = []
 
+  def measure(name, fn, extra):
+    rec = {"tokens": tokens, "variant": name, **extra}
+    free0 = common.device_free_bytes() if on_gpu else None
+    try:
+      if on_gpu:
+        with common.LowWater() as lw:
+          out = jax.block_until_ready(fn())
+        rec["peak_above_start_gib"] = (free0 - lw.low) / common.GIB
+      else:
+        out = jax.block_until_ready(fn())
+      rec["time_s"], rec["times_s"] = common.time_fn(fn, args.warmup, args.iters)
+      rec["ok"] = True
+      return rec, out
+    except Exception as e:  # noqa: BLE001 - an OOM at one budget is a result
+      rec.update(ok=False, error=str(e).splitlines()[0][:300])
+      return rec, None
+    finally:
+      rows.append(rec)
 
-# --------------------------------------------------------------------------------------
-# Parent side
-# --------------------------------------------------------------------------------------
-def _spawn(args, extra, timeout):
-  cmd = [sys.executable, os.path.abspath(__file__)] + _shape_argv(args) + extra
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  if args.cpu_smoke:
-    env["JAX_PLATFORMS"] = "cpu"
-  t0 = time.perf_counter()
-  try:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {timeout} s"}
-  for line in p.stdout.splitlines():
-    if line.startswith("RESULT "):
-      out = json.loads(line[len("RESULT "):])
-      out["wall_s"] = time.perf_counter() - t0
-      return out
-  return {"error": f"exit {p.returncode}: " + (p.stderr or p.stdout)[-3000:]}
-
-
-def _shape_argv(args):
-  return ["--tokens", str(args.tokens), "--hidden", str(args.hidden), "--heads",
-          str(args.heads), "--head-dim", str(args.head_dim), "--rot-dim", str(args.rot_dim),
-          "--batch", str(args.batch), "--policy", args.policy, "--iters", str(args.iters),
-          "--warmup", str(args.warmup), "--check-rows", str(args.check_rows)]
-
-
-def _fmt_cfg(c):
-  return (f"bq={c['block_q']} bh={c['block_h']} warps={tuple(c['num_warps'])} "
-          f"stages={tuple(c['num_stages'])}" + (" full" if c.get("full_width_gemm") else "")
-          + (f" qh={c['q_heads_per_program']}" if c.get("q_heads_per_program", 1) > 1 else "")
-          + (f" kvb={c['kv_blocks_per_program']}" if c.get("kv_blocks_per_program", 1) > 1
-             else ""))
+  base, _ = measure("cublas_gemm_bf16", lambda: gemm(x, w), {})
+  for name, cfg in VARIANTS:
+    fn = lambda cfg=cfg: streamed_qkv(x, w, **kw, block_classes=classes, **cfg)
+    rec, out = measure(name, fn, {"config": cfg})
+    if out is not None:
+      q, packed = out
+      rec["check"] = check_subsets(args, q, packed, x, w, kw, classes)
+      rec["check_ok"] = all(m["ok"] for m in rec["check"].values())
+      del q, packed, out
+    if rec.get("time_s") and base.get("time_s"):
+      rec["vs_cublas"] = rec["time_s"] / base["time_s"]
+  return rows
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--tokens", type=int, default=152263)
+  ap.add_argument("--tokens", default="38247,152263", help="comma-separated T values")
   ap.add_argument("--hidden", type=int, default=5376)
   ap.add_argument("--heads", type=int, default=56)
   ap.add_argument("--head-dim", type=int, default=128)
@@ -323,102 +222,31 @@ def main(argv=None):
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--policy", choices=("int4", "mixed"), default="int4")
   ap.add_argument("--iters", type=int, default=5)
-  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--warmup", type=int, default=1)
   ap.add_argument("--check-rows", type=int, default=1024)
-  ap.add_argument("--configs", default="all", help="'all' or comma-separated CONFIGS indices")
-  ap.add_argument("--timeout", type=int, default=420, help="seconds per worker process")
-  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                "streamed_qkv_h200.json"))
-  ap.add_argument("--cpu-smoke", action="store_true",
-                  help="interpret mode on CPU, two configs, one timed run each; JSON to the "
-                       "temp dir unless --out is given")
-  ap.add_argument("--worker", choices=("kernel", "gemm"), help=argparse.SUPPRESS)
-  ap.add_argument("--worker-config", help=argparse.SUPPRESS)
-  ap.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--cpu-smoke", action="store_true", help="tiny interpret-mode run on a CPU")
+  ap.add_argument("--out", default=None, help="default benchmarks/results/streamed_qkv_<card>_<date>.json")
   args = ap.parse_args(argv)
-  if args.rot_dim % 6:
-    ap.error("--rot-dim must be a multiple of 6 (3 RoPE axes, split-half)")
-  if args.worker:
-    return worker(args)
-
-  if args.cpu_smoke:
-    args.iters, args.warmup, args.check_rows = 1, 0, min(args.check_rows, 128)
-    if args.out == ap.get_default("out"):
-      # Smoke numbers are meaningless: keep them out of benchmarks/results.
-      args.out = os.path.join(tempfile.gettempdir(), "streamed_qkv_cpu_smoke.json")
-  if args.configs == "all":
-    # The smoke run covers both GEMM variants, not the tile sweep.
-    idx = [0, 5] if args.cpu_smoke else range(len(CONFIGS))
-  else:
-    idx = [int(i) for i in args.configs.split(",")]
-  configs = [CONFIGS[i] for i in idx]
-
-  b, t, hid, h, d = args.batch, args.tokens, args.hidden, args.heads, args.head_dim
-  inputs = {"x": b * t * hid * 2, "w_qkv": hid * 3 * h * d * 2, "rope_tables": 2 * t * d * 4}
-  print(f"streamed_qkv: B={b} T={t} hidden={hid} H={h} D={d} rot_dim={args.rot_dim} "
-        f"policy={args.policy}")
-  results = []
-  for i, cfg in enumerate(configs):
-    extra = ["--worker", "kernel", "--worker-config", json.dumps(cfg)]
-    extra += ["--check"] if i == 0 else []
-    r = _spawn(args, extra, args.timeout)
-    r["config"] = cfg
-    results.append(r)
-    status = r.get("error", "")[:200] or f"{r['kernel_s'] * 1e3:.1f} ms"
-    print(f"  [{i}] {_fmt_cfg(cfg)}: {status}", flush=True)
-  gemm_mem = _spawn(args, ["--worker", "gemm"], args.timeout)
-
-  ok = [r for r in results if "error" not in r]
-  if ok:
-    r0 = ok[0]
-    expected = {"q": r0["q_bytes"], "packed_kv": r0["packed_bytes"]}
-    print()
-    print(f"{'config':49s} {'kernel ms':>9s} {'TFLOP/s':>8s} {'gemm ms':>8s} {'TFLOP/s':>8s} "
-          f"{'ratio':>6s} {'peak-in GiB':>11s} {'overhead MiB':>12s}")
-    for r in ok:
-      above = (r["peak"] - r["inputs_in_use"]) if r.get("peak") is not None else None
-      over = above - sum(expected.values()) if above is not None else None
-      r["peak_above_inputs"], r["overhead_bytes"] = above, over
-      print(f"{_fmt_cfg(r['config']):49s} {r['kernel_s'] * 1e3:9.2f} {r['kernel_tflops']:8.1f} "
-            f"{r['gemm_s'] * 1e3:8.2f} {r['gemm_tflops']:8.1f} {r['kernel_s'] / r['gemm_s']:6.2f} "
-            + (f"{above / GIB:11.3f} {over / 2 ** 20:12.1f}" if above is not None else
-               f"{'n/a':>11s} {'n/a':>12s}"))
-    print(f"expected above inputs: Q {expected['q'] / GIB:.3f} GiB + packed K/V "
-          f"{expected['packed_kv'] / GIB:.3f} GiB (codes, scales, zeros, stats) = "
-          f"{sum(expected.values()) / GIB:.3f} GiB; inputs {sum(inputs.values()) / GIB:.3f} GiB")
-    xla = r0.get("xla_memory_analysis")
-    if xla:
-      print(f"XLA memory analysis of the kernel program: temp "
-            f"{xla.get('temp_size_in_bytes', 0) / 2 ** 20:.1f} MiB, outputs "
-            f"{xla.get('output_size_in_bytes', 0) / GIB:.3f} GiB")
-    if gemm_mem.get("peak") is not None:
-      print(f"plain BF16 x@W peak above inputs: "
-            f"{(gemm_mem['peak'] - gemm_mem['inputs_in_use']) / GIB:.3f} GiB")
-    for name, m in r0.get("check", {}).items():
-      print(f"check {name} rows {m['rows']}: ok={m['ok']} q rel {m['q_rel_err']:.2e} "
-            f"cos {m['q_cos']:.6f} codes diff frac {m.get('codes_diff_frac', 0):.1e} "
-            f"K err {m['k_rel_err_vs_f32']:.4f} (ref {m['k_ref_rel_err_vs_f32']:.4f}) "
-            f"V err {m['v_rel_err_vs_f32']:.4f} (ref {m['v_ref_rel_err_vs_f32']:.4f})")
-  report = {
-      "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
-      "device": ok[0]["device"] if ok else None,
-      "versions": package_versions(),
-      "shape": {"batch": b, "tokens": t, "hidden": hid, "heads": h, "head_dim": d,
-                "rot_dim": args.rot_dim, "policy": args.policy},
-      "timing": {"iters": args.iters, "warmup": args.warmup, "stat": "median wall clock"},
-      "input_bytes": inputs,
-      "expected_output_bytes": expected if ok else None,
-      "results": results,
-      "gemm_memory": gemm_mem,
-      "best": min(ok, key=lambda r: r["kernel_s"])["config"] if ok else None,
-  }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(report, f, indent=1)
-  print(f"wrote {args.out}")
-  checks = ok[0].get("check", {}) if ok else {}
-  return 0 if ok and all(m["ok"] for m in checks.values()) else 1
+  import jax
+  if jax.default_backend() != "gpu" and not args.cpu_smoke:
+    sys.exit("no GPU visible to JAX: pass --cpu-smoke for a tiny interpret-mode run")
+  card = common.device_name()
+  rows = []
+  for t in (int(v) for v in str(args.tokens).split(",")):
+    rows += run_tokens(args, t)
+  print(f"card: {card}")
+  print(common.table(rows, [("T", "tokens", "{}"), ("variant", "variant", "{}"), ("s", "time_s", "{:.4f}"),
+                            ("vs cuBLAS", "vs_cublas", "{:.3f}"), ("peak GiB", "peak_above_start_gib", "{:.3f}"),
+                            ("check", "check_ok", "{}")]))
+  out = args.out or common.result_path("streamed_qkv" + ("_cpu_smoke" if args.cpu_smoke else ""), card)
+  rec = common.run_record() | {"card": card, "shape": vars(args), "rows": rows}
+  common.write_json(out, rec)
+  if not args.cpu_smoke:
+    pick = {(r["tokens"], r["variant"]): r.get("vs_cublas") for r in rows}
+    common.update_scorecard({"projection.chunked_vs_cublas_152k": pick.get((152263, "chunked_512mib")),
+                             "projection.chunked_128mib_vs_cublas_152k": pick.get((152263, "chunked_128mib"))},
+                            card=card, source=out, command=rec["command"])
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

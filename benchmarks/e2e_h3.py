@@ -1,22 +1,22 @@
-"""End-to-end H3 attention layer: peak device memory, time and quality of four variants.
+"""End-to-end H3 attention layer in JAX: peak device memory, time and quality of four variants.
 
-  python -m benchmarks.e2e_h3                       # H200: T in {38247, 73923, 109599, 152263}
+  python -m benchmarks.e2e_h3                       # GPU: T in {38247, 73923, 109599, 152263}
   python -m benchmarks.e2e_h3 --small               # CPU: a tiny layer in interpret mode
 
 Every (variant, T) runs in a fresh process (``--child``), so each peak is that
-configuration's alone. Peak memory is JAX's allocator peak (``peak_bytes_in_use``): every
-buffer of these variants lives in that one allocator, inputs included; the table also
-gives the peak above the inputs. A second pass reruns chosen variants under a simulated
-12 GiB card (``XLA_PYTHON_CLIENT_MEM_FRACTION`` with preallocation), where the BF16
-pipeline should run out of memory and ours should not. Quality compares a fixed subset
-of query rows with a float32 reference of the same layer, computed in its own process.
+configuration's alone. Peak memory is device-level on a GPU: the lowest
+``cudaMemGetInfo`` free seen during the first call, against the free memory before it,
+with JAX's platform allocator (memory returned as soon as it is freed), so it is the
+layer's own, above its inputs. On a CPU there is no device-level figure and the
+column is left out. The user's own failure (torch holding 6.09 GiB of a 12 GiB card)
+is ``benchmarks/card_budget.py``. Quality compares a fixed subset of query rows with
+a float32 reference of the same layer, computed in its own process.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from benchmarks.run_info import package_versions
+from benchmarks import common
 
 H3_TOKENS = (38_247, 73_923, 109_599, 152_263)
 
@@ -39,10 +39,17 @@ def _child(args):
   dev = jax.devices()[0]
   input_bytes = sum(int(a.nbytes) for a in inp.values())
   fn = jax.jit(h3_layer.layer_fn(args.variant, shape, json.loads(args.sol_kwargs)))
-  rec = {"variant": args.variant, "tokens": shape.tokens, "cap_gib": args.cap_gib, "input_bytes": input_bytes}
+  rec = {"variant": args.variant, "tokens": shape.tokens, "input_bytes": input_bytes}
+  on_gpu = jax.default_backend() == "gpu"
   try:
+    free0 = common.device_free_bytes() if on_gpu else None
     t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(inp))
+    if on_gpu:
+      with common.LowWater() as lw:
+        out = jax.block_until_ready(fn(inp))
+      rec["device_peak_bytes"] = free0 - lw.low
+    else:
+      out = jax.block_until_ready(fn(inp))
     rec["first_call_s"] = time.perf_counter() - t0
     rows = h3_layer.quality_rows(shape.tokens, args.quality_rows)
     out_rows = np.asarray(out[0, rows], np.float32)
@@ -57,16 +64,19 @@ def _child(args):
     del out
     rec["times_s"] = times
     rec["time_s"] = float(np.median(times))
+    if on_gpu:  # the steady-state call's peak (the first one also compiles)
+      free0 = common.device_free_bytes()
+      with common.LowWater() as lw:
+        jax.block_until_ready(fn(inp))
+      rec["device_peak_bytes"] = free0 - lw.low
     np.save(args.rows_file, out_rows)
     rec["ok"] = True
-  except Exception as e:  # noqa: BLE001 - the OOM under the cap is a result, not a crash
+  except Exception as e:  # noqa: BLE001 - an OOM is a result, not a crash
     msg = str(e)
     rec["ok"] = False
     rec["oom"] = "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
     rec["error"] = msg.splitlines()[0][:400] if msg else repr(e)
-  stats = dev.memory_stats() or {}
-  rec["peak_bytes"] = stats.get("peak_bytes_in_use")
-  rec["bytes_limit"] = stats.get("bytes_limit")
+  rec["card"] = getattr(dev, "device_kind", dev.platform)
   print("RESULT " + json.dumps(rec), flush=True)
 
 
@@ -104,46 +114,38 @@ def _run_child(argv, env_extra):
   return {"ok": False, "error": (proc.stderr or proc.stdout)[-800:], "returncode": proc.returncode}
 
 
-def _gib(nbytes) -> str:
-  """Peak as text: the CPU client keeps no allocator statistics."""
-  return f"{nbytes / 2 ** 30:6.2f} GiB" if nbytes else "n/a (no device allocator stats)"
-
-
-def _device_total_bytes():
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0]) * 2 ** 20
-  except Exception:  # noqa: BLE001
-    return None
-
-
-def _device_name():
-  try:
-    return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-  except Exception:  # noqa: BLE001
-    return f"cpu ({platform.machine()})"
+LEGEND = ("bf16 = the plain BF16 pipeline (x @ W, RMSNorm, RoPE, cuDNN attention); bf16_quant = BF16 "
+          "projection then quantize (the anti-pattern: the full QKV exists); dense = ours, streamed "
+          "projection + dense attention over packed K/V; sol = ours with Sol sparse attention")
 
 
 def _plot(records, path):
+  """Peak memory (device level, when measured) and time per variant: lines over T, or
+  bars when there is only one T."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-  for variant in sorted({r["variant"] for r in records}):
-    rs = sorted((r for r in records if r["variant"] == variant and r.get("ok") and not r.get("cap_gib")),
-                key=lambda r: r["tokens"])
-    if not rs:
-      continue
-    t = [r["tokens"] for r in rs]
-    ax1.plot(t, [(r["peak_bytes"] or 0) / 2 ** 30 for r in rs], "o-", label=variant)
-    ax2.plot(t, [r["time_s"] * 1e3 for r in rs], "o-", label=variant)
-  ax1.set(xlabel="tokens T", ylabel="peak device memory (GiB, inputs included)", title="Peak memory")
-  ax2.set(xlabel="tokens T", ylabel="time per layer (ms)", title="Time")
-  for ax in (ax1, ax2):
+  ok = [r for r in records if r.get("ok")]
+  variants = sorted({r["variant"] for r in ok})
+  has_mem = any(r.get("device_peak_bytes") for r in ok)
+  fig, axes = plt.subplots(1, 2 if has_mem else 1, figsize=(11 if has_mem else 6, 4))
+  axes = list(axes) if has_mem else [axes]
+  panels = [("time per layer (ms)", lambda r: r["time_s"] * 1e3)]
+  if has_mem:
+    panels.insert(0, ("device peak above inputs (GiB)", lambda r: r["device_peak_bytes"] / common.GIB))
+  tokens = sorted({r["tokens"] for r in ok})
+  for ax, (label, value) in zip(axes, panels):
+    if len(tokens) == 1:
+      vals = [next(value(r) for r in ok if r["variant"] == v) for v in variants]
+      ax.bar(variants, vals)
+      ax.set(ylabel=label, title=f"T = {tokens[0]}")
+    else:
+      for v in variants:
+        rs = sorted((r for r in ok if r["variant"] == v), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in rs], [value(r) for r in rs], "o-", label=v)
+      ax.set(xlabel="tokens T", ylabel=label)
+      ax.legend()
     ax.grid(alpha=0.3)
-    ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
@@ -152,8 +154,6 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--tokens", type=int, nargs="+", default=None)
   ap.add_argument("--variants", nargs="+", default=["bf16", "bf16_quant", "dense", "sol"])
-  ap.add_argument("--cap-gib", type=float, default=12.0, help="simulated card size for the OOM pass (0: skip)")
-  ap.add_argument("--cap-variants", nargs="+", default=["bf16", "dense", "sol"])
   ap.add_argument("--prefix-tokens", type=int, default=4096, help="conditioning prefix kept at int8")
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--quality-rows", type=int, default=512)
@@ -171,80 +171,70 @@ def main(argv=None):
     return _quality(args)
 
   tokens = args.tokens or ([300] if args.small else list(H3_TOKENS))
-  out_path = args.out or ("benchmarks/results/e2e_h3_cpu_small.json" if args.small
-                          else "benchmarks/results/e2e_h3_h200.json")
-  total = _device_total_bytes()
+  out_path = args.out or ("benchmarks/results/e2e_h3_cpu_small.json" if args.small else None)
   base = ["--prefix-tokens", str(args.prefix_tokens), "--runs", str(args.runs),
           "--quality-rows", str(args.quality_rows), "--sol-kwargs", args.sol_kwargs] + (["--small"] if args.small else [])
+  env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
   records, qualities = [], {}
   tmp = tempfile.mkdtemp(prefix="e2e_h3_")
-  os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+  run = common.run_record([sys.executable, "-m", "benchmarks.e2e_h3", *(argv if argv is not None else sys.argv[1:])])
+  card = None
+  print(LEGEND, flush=True)
 
   def save():
-    result = {"command": " ".join([sys.executable, "-m", "benchmarks.e2e_h3",
-                                   *(argv if argv is not None else sys.argv[1:])]),
-              "device": _device_name(), "device_total_bytes": total, "versions": package_versions(),
-              "records": records, "quality": {str(k): v for k, v in qualities.items()}}
-    with open(out_path, "w") as f:
-      json.dump(result, f, indent=1)
+    nonlocal out_path
+    out_path = out_path or common.result_path("e2e_h3", card or "unknown")
+    common.write_json(out_path, run | {"card": card, "legend": LEGEND, "env": env, "records": records,
+                                       "quality": {str(k): v for k, v in qualities.items()}})
   for t in tokens:
     files = {}
     for variant in args.variants:
       files[variant] = os.path.join(tmp, f"{variant}_{t}.npy")
       rec = _run_child(["--child", "run", "--variant", variant, "--tokens", str(t), "--rows-file", files[variant],
-                        *base, "--cap-gib", "0"], {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+                        *base], env)
       rec.setdefault("variant", variant)
       rec.setdefault("tokens", t)
+      card = rec.get("card", card)
       records.append(rec)
-      save()
-      print(f"[{variant:10s} T={t:7d}] ok={rec.get('ok')} time={rec.get('time_s', float('nan')) * 1e3:9.1f} ms "
-            f"peak={_gib(rec.get('peak_bytes'))} {rec.get('error', '')[:120]}", flush=True)
-    q = _run_child(["--child", "quality", "--tokens", str(t), "--rows-files", json.dumps(files), *base],
-                   {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    qualities[t] = q
-    save()
-    print(f"[quality    T={t:7d}] " + json.dumps(q)[:400], flush=True)
-  if args.cap_gib and total and not args.small:
-    t = max(tokens)
-    for variant in args.cap_variants:
-      env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true",
-             "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{args.cap_gib * 2 ** 30 / total:.5f}"}
-      rec = _run_child(["--child", "run", "--variant", variant, "--tokens", str(t),
-                        "--rows-file", os.path.join(tmp, f"cap_{variant}.npy"), *base,
-                        "--runs", "1", "--cap-gib", str(args.cap_gib)], env)
-      rec.update(variant=variant, tokens=t, cap_gib=args.cap_gib)
-      records.append(rec)
-      save()
-      print(f"[cap {args.cap_gib:g} GiB {variant:10s} T={t}] ok={rec.get('ok')} oom={rec.get('oom')} "
-            f"{rec.get('error', '')[:160]}", flush=True)
-
-  # Table.
-  print("\n| T | variant | peak GiB | above inputs GiB | time ms | vs bf16 time | bf16 peak / peak | cos | rel L1 |")
-  print("|---|---|---|---|---|---|---|---|---|")
+      peak = rec.get("device_peak_bytes")
+      print(f"[{variant:10s} T={t:7d}] ok={rec.get('ok')} time={rec.get('time_s', float('nan')) * 1e3:9.1f} ms"
+            + (f" device peak {peak / common.GIB:.2f} GiB" if peak else "") + f" {rec.get('error', '')[:120]}",
+            flush=True)
+    qualities[t] = _run_child(["--child", "quality", "--tokens", str(t), "--rows-files", json.dumps(files), *base], env)
+    for variant, q in qualities[t].items():
+      print(f"[quality {variant:10s} T={t:7d}] " + json.dumps(q), flush=True)
+  rows = []
   for t in tokens:
-    base_rec = next((r for r in records if r["variant"] == "bf16" and r["tokens"] == t
-                     and not r.get("cap_gib") and r.get("ok")), None)
-    for r in (r for r in records if r["tokens"] == t and not r.get("cap_gib")):
-      qual = qualities.get(t, {}).get(r["variant"], {})
-      if not r.get("ok"):
-        print(f"| {t} | {r['variant']} | failed: {r.get('error', '')[:60]} |||||||")
-        continue
-      nan = float("nan")
-      peak = r["peak_bytes"] / 2 ** 30 if r.get("peak_bytes") else nan
-      above = (r["peak_bytes"] - r["input_bytes"]) / 2 ** 30 if r.get("peak_bytes") else nan
-      tr = r["time_s"] / base_rec["time_s"] if base_rec else nan
-      pr = base_rec["peak_bytes"] / r["peak_bytes"] if base_rec and r.get("peak_bytes") else nan
-      print(f"| {t} | {r['variant']} | {peak:.2f} | {above:.2f} | {r['time_s'] * 1e3:.1f} | {tr:.2f}x | "
-            f"{pr:.2f}x | {qual.get('cos', float('nan')):.5f} | {qual.get('rel_l1', float('nan')):.4f} |")
-  for r in (r for r in records if r.get("cap_gib")):
-    print(f"cap {r['cap_gib']:g} GiB, T={r['tokens']}, {r['variant']}: "
-          + ("completed" if r.get("ok") else ("OOM" if r.get("oom") else f"failed: {r.get('error', '')[:100]}")))
+    base_rec = next((r for r in records if r["variant"] == "bf16" and r["tokens"] == t and r.get("ok")), None)
+    for r in (r for r in records if r["tokens"] == t):
+      row = {"T": t, "variant": r["variant"], "ok": r.get("ok"), "time_ms": r.get("time_s", 0) * 1e3 or None,
+             **{k: v for k, v in qualities.get(t, {}).get(r["variant"], {}).items() if k in ("cos", "rel_l1")}}
+      if r.get("device_peak_bytes"):
+        row["peak_gib"] = r["device_peak_bytes"] / common.GIB
+      if base_rec and r.get("ok"):
+        row["time_vs_bf16"] = r["time_s"] / base_rec["time_s"]
+        if r.get("device_peak_bytes") and base_rec.get("device_peak_bytes"):
+          row["bf16_peak_over_peak"] = base_rec["device_peak_bytes"] / r["device_peak_bytes"]
+      r["summary"] = row
+      rows.append(row)
+  columns = [("T", "T", "{}"), ("variant", "variant", "{}"), ("ms", "time_ms", "{:.1f}"),
+             ("vs bf16", "time_vs_bf16", "{:.3f}"), ("cos", "cos", "{:.6f}"), ("rel L1", "rel_l1", "{:.4f}")]
+  if any("peak_gib" in r for r in rows):
+    columns[3:3] = [("peak GiB", "peak_gib", "{:.2f}"), ("bf16 peak / peak", "bf16_peak_over_peak", "{:.2f}")]
+  print(f"card: {card}")
+  print(common.table(rows, columns))
   save()
+  png = out_path.replace(".json", ".png")
   try:
-    _plot(records, out_path.replace(".json", ".png"))
+    _plot(records, png)
+    print(f"wrote {png}")
   except Exception as e:  # noqa: BLE001
     print(f"plot skipped: {e}")
-  print(f"wrote {out_path}")
+  dense = next((r["summary"] for r in records if r["variant"] == "dense" and r["tokens"] == 152263), None)
+  if dense and card and not args.small:
+    common.update_scorecard({"e2e.dense_time_vs_bf16_152k": dense.get("time_vs_bf16"),
+                             "e2e.dense_peak_ratio_152k": dense.get("bf16_peak_over_peak")},
+                            card=card, source=out_path, command=run["command"])
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import formats as fmt  # noqa: E402
 from benchmarks.quality import dit_qkv, fake_quant, group_scale_zero, quality  # noqa: E402
-from benchmarks.run_info import package_versions  # noqa: E402
+from benchmarks.common import package_versions  # noqa: E402
 
 GOAL_INT4 = {"cos": 0.999, "rel_l1": 0.05}
 

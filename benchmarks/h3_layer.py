@@ -3,8 +3,8 @@ in four variants, shared by the demo and the end-to-end benchmark.
 
   bf16        the plain BF16 pipeline: qkv = x @ W, RMSNorm, RoPE, cuDNN SDPA
   bf16_quant  BF16 projection, then rotate + quantize (the anti-pattern: full QKV exists)
-  dense       ours: streamed_qkv -> packed_attention
-  sol         ours: streamed_qkv -> sol_attention
+  dense       ours: pallas_kernels.layer.attention_layer (streamed_qkv -> packed_attention)
+  sol         ours: the same with sol_attention
 
 Inputs are DiT-like: hidden states are smooth fields over a (t, h, w) grid plus noise,
 behind a conditioning prefix, so attention is structured as in a video DiT.
@@ -112,13 +112,6 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
       return _sdpa(q, k, v)
     return run
 
-  def packed_inputs(inp):
-    from pallas_kernels.streamed_qkv import streamed_qkv
-    return streamed_qkv(inp["x"], inp["w"], q_norm_weight=inp["q_norm_weight"],
-                        k_norm_weight=inp["k_norm_weight"], rope_cos=inp["rope_cos"],
-                        rope_sin=inp["rope_sin"], rot_dim=shape.rot_dim, heads=shape.heads,
-                        head_dim=shape.head_dim, block_classes=shape.block_classes)
-
   if variant == "bf16_quant":
     def run(inp):
       from pallas_kernels.attention import packed_attention
@@ -129,18 +122,15 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
       packed = fmt.quantize_reference(k @ rk, v @ rv, meta)
       return packed_attention((q @ rk).astype(jnp.bfloat16), packed)
     return run
-  if variant == "dense":
+  if variant in ("dense", "sol"):
     def run(inp):
-      from pallas_kernels.attention import packed_attention
-      q, packed = packed_inputs(inp)
-      # q is dead after attention, so the output can take its buffer (one Q less of peak).
-      return packed_attention(q, packed, overwrite_q=True)
-    return run
-  if variant == "sol":
-    def run(inp):
-      from pallas_kernels.sol_attention import sol_attention
-      q, packed = packed_inputs(inp)
-      return sol_attention(q, packed, overwrite_q=True, **(sol_kwargs or {}))
+      # Projection and attention in one call: the output takes Q's buffer.
+      from pallas_kernels.layer import attention_layer
+      return attention_layer(inp["x"], inp["w"], q_norm_weight=inp["q_norm_weight"],
+                             k_norm_weight=inp["k_norm_weight"], rope_cos=inp["rope_cos"],
+                             rope_sin=inp["rope_sin"], rot_dim=shape.rot_dim, heads=shape.heads,
+                             head_dim=shape.head_dim, block_classes=shape.block_classes, attention=variant,
+                             sol_options=sol_kwargs if variant == "sol" else None)
     return run
   raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 

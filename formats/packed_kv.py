@@ -66,6 +66,7 @@ __all__ = [
     "quantize_reference",
     "resolve_block_classes",
     "scale_shape",
+    "sylvester",
     "unpack_nibbles",
 ]
 
@@ -84,6 +85,15 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # --------------------------------------------------------------------------------------
 # Rotation
 # --------------------------------------------------------------------------------------
+def sylvester(n: int) -> np.ndarray:
+  """The unsigned Sylvester Hadamard matrix H_n (entries +-1, n a power of two):
+  ``H_1 = [1]``, ``H_2m = [[H_m, H_m], [H_m, -H_m]]``."""
+  h = np.ones((1, 1), np.float32)
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
 def hadamard_signs(head_dim: int, seed: int) -> np.ndarray:
   """Sylvester Hadamard matrix (entries +-1) with rows sign-flipped from ``seed``.
 
@@ -92,9 +102,7 @@ def hadamard_signs(head_dim: int, seed: int) -> np.ndarray:
   """
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise ValueError(f"head_dim={head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
-  h = np.ones((1, 1), np.float32)
-  while h.shape[0] < head_dim:
-    h = np.block([[h, h], [h, -h]])
+  h = sylvester(head_dim)
   signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=head_dim)
   return (signs[:, None] * h).astype(np.float32)
 

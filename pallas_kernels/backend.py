@@ -1,13 +1,18 @@
 """Where kernels run (the Triton backend on a GPU, interpret mode anywhere else), and
-the few in-kernel helpers every kernel shares: matrix products, the bf16 split, and
-multiplication by the Hadamard rotation."""
+the few in-kernel helpers every kernel shares: matrix products, the bf16 split,
+multiplication by the Hadamard rotation, code -> bf16 conversion, softmax constants."""
 from __future__ import annotations
 
 import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+
+LOG2E = math.log2(math.e)  # softmax in base 2: sm_scale * log2(e) rides in the exp2 argument
+M_INIT = -1e30             # running max start: finite, so exp2(m_prev - m_new) never sees inf - inf
+INT4_OFFSET = 128.0        # int4_halves returns code + INT4_OFFSET
 
 
 def on_gpu() -> bool:
@@ -79,3 +84,23 @@ def unrotate_halves(o_lo, o_hi, ht_ref, lo, hi, head_dim):
   def out_half(cols):
     return (sign_dot(parts_lo, ht_ref[lo, cols]) + sign_dot(parts_hi, ht_ref[hi, cols])) * (1.0 / math.sqrt(head_dim))
   return out_half(lo), out_half(hi)
+
+
+def int4_halves(codes):
+  """(rows, D/2) uint8 split-half bytes -> (lo, hi) bf16 tiles equal to code + 128, exactly.
+
+  A bit trick instead of a conversion: bf16 bits ``0x4300 | c`` are the number 128 + c
+  (c < 128). Widened once to 16-bit lanes, each mask/shift/or handles two codes per
+  instruction; callers remove the offset in their (exact) bf16 or f32 arithmetic.
+  """
+  w = codes.astype(jnp.uint16)
+  lo = lax.bitcast_convert_type((w & jnp.uint16(0xF)) | jnp.uint16(0x4300), jnp.bfloat16)
+  hi = lax.bitcast_convert_type((w >> jnp.uint16(4)) | jnp.uint16(0x4300), jnp.bfloat16)
+  return lo, hi
+
+
+def int8_to_bf16(codes):
+  """uint8 codes -> bf16 (exact below 256), through the f32 twin of the int4 trick:
+  ``0x4B000000 | c`` is the f32 number 2^23 + c."""
+  word = codes.astype(jnp.uint32) | jnp.uint32(0x4B000000)
+  return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16)

@@ -120,12 +120,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot as _dot
-from pallas_kernels.backend import NamedInputs, resolve_interpret, resolve_sm_scale, split_bf16, unrotate_halves
+from pallas_kernels.backend import (INT4_OFFSET, LOG2E, M_INIT, NamedInputs, int4_halves, int8_to_bf16, resolve_interpret,
+                                    resolve_sm_scale, split_bf16, unrotate_halves)
 
 BLOCK = fmt.BLOCK
-_LOG2E = math.log2(math.e)
-_M_INIT = -1e30  # finite, so exp2(m_prev - m_new) never sees inf - inf
-_INT4_OFFSET = 128.0  # bf16 bits 0x4300 | c == 128 + c
 # Routed-list capacity under tau when the caller gives none: 1024 blocks = 64k
 # exact keys per query block. Fixed, so the metadata grows with T, not T**2.
 DEFAULT_MAX_EXACT_TAU = 1024
@@ -172,7 +170,7 @@ class _Plan:
 
   @property
   def log2_scale(self) -> float:
-    return self.sm_scale * _LOG2E
+    return self.sm_scale * LOG2E
 
 
 def _plan(q, packed, *, tau, sm_scale, sink_blocks, sink_q, topk_ratio, tail, max_exact) -> _Plan:
@@ -477,7 +475,7 @@ def _reference_jit(q, packed, key_bias, block_len, *, plan, keep_rotated):
   s_tok = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k - kg[:, None],
                      precision=lax.Precision.HIGHEST) * ls
   if key_bias is not None:
-    s_tok = s_tok + (key_bias * _LOG2E)[:, None, None, :]
+    s_tok = s_tok + (key_bias * LOG2E)[:, None, None, :]
   ex_tok = exact[:, :, blk][..., blk]                                # (B, H, T, T)
   s_tok = jnp.where(ex_tok & live[None, None, None, :], s_tok, -jnp.inf)
   s_blk = jnp.where(exact[:, :, blk], -jnp.inf, proxy[:, :, blk])    # (B, H, T, NB)
@@ -501,24 +499,6 @@ def _reference_jit(q, packed, key_bias, block_len, *, plan, keep_rotated):
 # --------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------
-def _int4_halves(codes):
-  """(rows, D/2) uint8 bytes -> (lo, hi) bf16 tiles equal to code + 128, exactly.
-
-  A bit trick instead of a conversion: bf16 bits 0x4300 | c are the number 128 + c
-  (c < 128), and the offset is removed in the f32 zero-point terms.
-  """
-  w = codes.astype(jnp.uint16)
-  lo = lax.bitcast_convert_type((w & jnp.uint16(0xF)) | jnp.uint16(0x4300), jnp.bfloat16)
-  hi = lax.bitcast_convert_type((w >> jnp.uint16(4)) | jnp.uint16(0x4300), jnp.bfloat16)
-  return lo, hi
-
-
-def _int8_bf16(codes):
-  """uint8 codes -> bf16 (exact below 256) through the f32 twin of the int4 trick."""
-  word = codes.astype(jnp.uint32) | jnp.uint32(0x4B000000)  # f32 2^23 + c
-  return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16)
-
-
 @dataclasses.dataclass(frozen=True)
 class _KConfig:
   """Everything static the kernel body needs."""
@@ -562,8 +542,8 @@ def _kernel(*refs, names, cfg: _KConfig):
   def codes(cls, role, rows):
     """(lo, hi) bf16 code operands of one tile, equal to code + offset; and offset."""
     if cls == "int4":
-      return (*_int4_halves(r[f"{role}_codes4"][rows, :]), _INT4_OFFSET)
-    return _int8_bf16(r[f"{role}_codes8"][rows, lo]), _int8_bf16(r[f"{role}_codes8"][rows, hi]), 0.0
+      return (*int4_halves(r[f"{role}_codes4"][rows, :]), INT4_OFFSET)
+    return int8_to_bf16(r[f"{role}_codes8"][rows, lo]), int8_to_bf16(r[f"{role}_codes8"][rows, hi]), 0.0
 
   def logits(cls, slot, rows):
     """(64, 64) centred logits, log2 units, of one exact tile (before masking)."""
@@ -642,7 +622,7 @@ def _kernel(*refs, names, cfg: _KConfig):
     fns = [functools.partial(exact_tile, cls) for cls in cfg.branches]
     return lax.switch(code & 3, fns, slot, blk, carry)
 
-  carry = (jnp.full((BLOCK,), _M_INIT, jnp.float32), jnp.zeros((BLOCK,), jnp.float32),
+  carry = (jnp.full((BLOCK,), M_INIT, jnp.float32), jnp.zeros((BLOCK,), jnp.float32),
            jnp.zeros((BLOCK, half), jnp.float32), jnp.zeros((BLOCK, half), jnp.float32))
   nb = cfg.num_blocks
   s0, s1 = cfg.sink_blocks
@@ -753,7 +733,7 @@ def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, 
     add("km", routing.k_mean, (None, None, nb, d), per_bh)
     add("vs", packed.v_sum, (None, None, nb, d), per_bh)
   if key_bias is not None:
-    kb = normalize_key_bias(key_bias, b, t) * _LOG2E
+    kb = normalize_key_bias(key_bias, b, t) * LOG2E
     add("kb", kb, (None, t), lambda i, j, k: (k, 0))
   if not keep_rotated:
     ht = fmt.hadamard_signs(d, meta.rotation_seed_v).T

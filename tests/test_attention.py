@@ -1,11 +1,15 @@
-"""Dense attention over packed K/V: kernel vs reference vs plain float32 attention.
+"""Dense attention over packed K/V, both methods (fused kernel, streamed head groups)
+vs the reference vs plain float32 attention.
 
 Inputs are fresh random draws on every run (the seed is in each failure message).
 Thresholds, kernel vs ``packed_attention_reference`` (same packed K/V): relative L2
 <= 1e-2 and cosine >= 0.99995. The unavoidable floor is the bf16 rounding of the
-output (rel L2 ~1.7e-3); the kernel adds bf16 rounding of p * scale and of the
-dequantized K tile (measured 4e-3 to 5.3e-3 in total on DiT-like data).
+output (rel L2 ~1.7e-3); the fused kernel adds bf16 rounding of p * scale and of the
+dequantized K tile (measured 4e-3 to 5.3e-3 in total on DiT-like data), the streamed
+path bf16 rounding of the decoded K and V. On the CPU the streamed path runs XLA's
+attention in place of cuDNN (``tests/test_streamed_attention.py`` covers its pieces).
 """
+import functools
 import os
 import re
 
@@ -17,7 +21,8 @@ import pytest
 import formats as fmt
 from benchmarks.quality import cosine, dit_qkv, rel_err
 from pallas_kernels.attention import (attention_f32, packed_attention, packed_attention_reference,
-                                      segment_ids_from_cu_seqlens, slot_ranges)
+                                      segment_ids_from_cu_seqlens)
+from pallas_kernels.attention_fused import fused_attention, slot_ranges
 
 REL_TOL = 1e-2
 COS_TOL = 0.99995
@@ -103,25 +108,29 @@ CASES = [
 
 
 @pytest.mark.parametrize("head_dim,k_scheme,v_scheme,ranges", CASES)
-def test_kernel_matches_reference(seed, head_dim, k_scheme, v_scheme, ranges):
+@pytest.mark.parametrize("method", ["fused", "streamed"])
+def test_kernel_matches_reference(seed, method, head_dim, k_scheme, v_scheme, ranges):
   q, packed, _ = _make(seed, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme, token_ranges=ranges,
                        dit=head_dim == 128)
-  out = packed_attention(q, packed, interpret=True, block_q=64)
+  out = packed_attention(q, packed, interpret=True, block_q=64, method=method)
   assert out.dtype == jnp.bfloat16 and out.shape == q.shape
   _check(out, packed_attention_reference(q, packed), seed)
 
 
-def test_ragged_q_differs_from_kv_and_codegen_variants(seed):
-  # Tq < block_q and != Tkv; the code-generation variants give the same answer
-  # (packed bf16 K math also rounds the zero point: looser bound).
+@pytest.mark.parametrize("method", ["fused", "streamed"])
+def test_ragged_q_differs_from_kv_and_key_lengths(seed, method):
+  # Tq < block_q and != Tkv; kv_lengths (cuDNN's padding mask on the GPU) keeps a
+  # prefix of keys per batch row, and a row with none outputs exactly 0.
   q, packed, _ = _make(seed, tq=77, tkv=250, token_ranges=((0, 40, "int8"),), k_scheme="token")
   ref = packed_attention_reference(q, packed)
-  _check(packed_attention(q, packed, interpret=True, block_q=128), ref, seed)
-  _check(packed_attention(q, packed, interpret=True, block_q=32, _tune={"v_exact": False}), ref, seed)
-  _check(packed_attention(q, packed, interpret=True, block_q=64, _tune={"convert": "cast"}), ref, seed)
-  q, packed, _ = _make(seed, tq=77, tkv=250, dit=True)
-  _check(packed_attention(q, packed, interpret=True, block_q=64, _tune={"k_math": "bf16"}),
-         packed_attention_reference(q, packed), seed, rel=2e-2, cos=0.9998)
+  for block_q in (32, 128):
+    _check(packed_attention(q, packed, interpret=True, block_q=block_q, method=method), ref, seed)
+  lengths = jnp.asarray([190, 0], jnp.int32)
+  out = packed_attention(q, packed, interpret=True, kv_lengths=lengths, method=method)
+  _check(out[:1], packed_attention_reference(q, packed, kv_lengths=lengths)[:1], seed)
+  assert (np.asarray(out[1], np.float32) == 0).all()
+  keep = np.arange(250)[None, :] < np.asarray(lengths)[:, None]
+  _check(out[:1], packed_attention_reference(q, packed, kv_mask=jnp.asarray(keep))[:1], seed)
 
 
 def test_all_bf16_classes_match_plain_attention(seed):
@@ -204,51 +213,56 @@ def test_segment_ids_from_cu_seqlens():
     segment_ids_from_cu_seqlens(np.array([[0, 4]]), 9)
 
 
-def test_nan_poisoned_output_is_fully_overwritten(seed):
+@pytest.mark.parametrize("method", ["fused", "streamed"])
+def test_nan_poisoned_output_is_fully_overwritten(seed, method):
   # The output buffer starts as NaN (aliased input); every element must be written.
   # (Interpret mode also starts unaliased outputs as NaN.)
   q, packed, _ = _make(seed, tq=150, tkv=130, head_dim=64, token_ranges=((0, 10, "int8"),))
   poison = jnp.full(q.shape, jnp.nan, jnp.bfloat16)
-  out = packed_attention(q, packed, interpret=True, block_q=64, _out=poison)
+  out = packed_attention(q, packed, interpret=True, block_q=64, _out=poison, method=method)
   assert np.isfinite(np.asarray(out, np.float32)).all(), f"seed={seed}: unwritten output elements"
-  np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                np.asarray(packed_attention(q, packed, interpret=True, block_q=64), np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(out, np.float32),
+      np.asarray(packed_attention(q, packed, interpret=True, block_q=64, method=method), np.float32))
 
 
-def test_overwrite_q_writes_the_output_into_q(seed):
+@pytest.mark.parametrize("method", ["fused", "streamed"])
+def test_overwrite_q_writes_the_output_into_q(seed, method):
   # The output takes q's buffer (donated at top level, reused inside a jit): same values
   # as the out-of-place call, and q is gone afterwards.
   q, packed, _ = _make(seed, tq=150, tkv=130, head_dim=64, token_ranges=((0, 10, "int8"),))
-  expected = np.asarray(packed_attention(q, packed, interpret=True, block_q=64), np.float32)
+  run = functools.partial(packed_attention, interpret=True, block_q=64, method=method)
+  expected = np.asarray(run(q, packed), np.float32)
   q_copy = jnp.array(q, copy=True)
-  out = packed_attention(q_copy, packed, interpret=True, block_q=64, overwrite_q=True)
+  out = run(q_copy, packed, overwrite_q=True)
   np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
   assert q_copy.is_deleted(), "overwrite_q must donate q"
   # Inside a jit with q an intermediate (the projection's output, as in a layer).
   # Interpret mode copies buffers anyway, so the saving itself shows only on the GPU.
-  def layer(q_in, packed, overwrite):
-    return packed_attention(q_in * 1.0, packed, interpret=True, block_q=64, overwrite_q=overwrite)
-  np.testing.assert_array_equal(np.asarray(jax.jit(lambda a, p: layer(a, p, True))(q, packed), np.float32),
-                                expected)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(lambda a, p: run(a * 1.0, p, overwrite_q=True))(q, packed), np.float32), expected)
   with pytest.raises(ValueError, match="overwrite_q and _out"):
-    packed_attention(q, packed, interpret=True, overwrite_q=True, _out=q)
+    run(q, packed, overwrite_q=True, _out=q)
 
 
 @pytest.mark.parametrize("kw", [
-    dict(block_q=128),
-    dict(block_q=256, num_warps=16, num_stages=1, overwrite_q=True),
+    dict(block_q=128, masked=False),
+    dict(block_q=256, num_warps=16, num_stages=1, overwrite_q=True, masked=False),
     dict(block_q=64, keep_rotated=True, masked=True),
-    dict(block_q=128, _tune={"k_math": "bf16"}, masked=True),
+    dict(block_q=128, masked=True),
 ])
 def test_kernel_lowers_to_triton(kw):
   """Lower for CUDA on this CPU machine: Pallas-Triton rejects what interpret mode lets
-  through (slices of loaded values, non power-of-two shapes, `other` without `mask`)."""
+  through (slices of loaded values, non power-of-two shapes, `other` without `mask`).
+  The public call refuses interpret=False without a GPU, so the kernel is lowered."""
   kw = dict(kw)
   q, packed, _ = _make(0, batch=1, tq=200, tkv=200, token_ranges=((0, 70, "int8"), (130, 150, "bf16")))
-  if kw.pop("masked", False):
-    seg = segment_ids_from_cu_seqlens(np.array([0, 90, 200]), 200)
-    kw.update(q_segment_ids=seg, kv_segment_ids=seg, kv_mask=jnp.ones((1, 200), bool))
-  fn = jax.jit(lambda q, packed: packed_attention(q, packed, interpret=False, **kw))
+  masks = dict(q_seg=None, kv_seg=None, kv_mask=None)
+  if kw.pop("masked"):
+    seg = segment_ids_from_cu_seqlens(np.array([0, 90, 200]), 200)[None]
+    masks = dict(q_seg=seg, kv_seg=seg, kv_mask=jnp.arange(200)[None] < 180)
+  kw = dict(keep_rotated=False, num_warps=None, num_stages=None) | kw
+  fn = jax.jit(lambda q, packed: fused_attention(q, packed, sm_scale=0.1, interpret=False, **masks, **kw))
   text = fn.trace(q, packed).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
 
@@ -284,6 +298,21 @@ def test_clear_errors_on_bad_input():
     run(q, bad)
   with pytest.raises(ValueError, match="PackedKV"):
     run(q, packed.arrays)
+  with pytest.raises(ValueError, match="kv_lengths"):
+    run(q, packed, kv_lengths=jnp.ones((2,), jnp.int32))
+  with pytest.raises(ValueError, match="method"):
+    run(q, packed, method="cudnn")
+  with pytest.raises(ValueError, match="scratch_bytes"):
+    run(q, packed, scratch_bytes=-1)
+  with pytest.raises(NotImplementedError, match="fused kernel"):
+    run(q, packed, method="streamed", kv_mask=jnp.ones((1, 64), bool))
+  with pytest.raises(NotImplementedError, match="one head's bf16 K and V"):
+    run(q, packed, method="streamed", scratch_bytes=1000)
+  with pytest.raises(ValueError, match="has no tokens"):
+    run(q[:, :0], packed)
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="interpret=False needs a CUDA GPU"):
+      packed_attention(q, packed, interpret=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -324,7 +353,7 @@ def test_compiled_program_holds_no_full_kv():
     size, where = _largest_buffer(compiled.as_text())
     return size, where, compiled.memory_analysis().temp_size_in_bytes
 
-  size, where, temp = inspect(lambda q, p: packed_attention(q, p, interpret=True, block_q=64))
+  size, where, temp = inspect(lambda q, p: packed_attention(q, p, interpret=True, block_q=64, method="fused"))
   assert size < limit, f"kernel program holds {where} ({size} bytes >= {limit})"
   assert temp < temp_limit, f"kernel program temp memory {temp} bytes >= {temp_limit}"
   size, where, temp = inspect(_expand_to_bf16_attention)
@@ -336,8 +365,8 @@ def test_compiled_program_holds_no_full_kv():
 # GPU (non-interpreted Triton); run with `pytest -m gpu` on the device machine
 # --------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,tq", [("triton", 128), ("mgpu", 256)])
-def test_gpu_long_sequence_matches_reference(seed, backend, tq):
+@pytest.mark.parametrize("method,tq", [("fused", 128), ("streamed", 256)])
+def test_gpu_long_sequence_matches_reference(seed, method, tq):
   """131k keys (ragged, int8 prefix) for a few query rows: the output is a near-uniform
   average, ~1e-3 of the code-times-scale sums the kernel accumulates, so an
   accumulation that is not centered shows here (the Triton kernel once gave 12% rel L2
@@ -345,7 +374,7 @@ def test_gpu_long_sequence_matches_reference(seed, backend, tq):
   t = 131072 + 37
   q, packed, _ = _make(seed, batch=1, tq=tq, tkv=t, heads=2, token_ranges=((0, 1024, "int8"),))
   ref = packed_attention_reference(q, packed)
-  _check(packed_attention(q, packed, interpret=False, backend=backend), ref, seed)
+  _check(packed_attention(q, packed, interpret=False, method=method), ref, seed)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,6 @@
-"""Streamed QKV projection: kernel vs the f32 reference, the format, the memory claim.
+"""Streamed QKV projection, both methods (chunked: cuBLAS row chunks + the epilogue
+kernel; fused: one Pallas kernel): kernel vs the f32 reference, the format, the
+memory claim.
 
 CPU runs use Pallas interpret mode, which fills every float output with NaN
 before the kernel runs (ints with their minimum), so "all finite" means "all
@@ -15,8 +17,8 @@ import pytest
 from benchmarks.quality import cosine, rel_err
 from formats import packed_kv as fmt
 from pallas_kernels import rope
-from pallas_kernels.streamed_qkv import (reference_rotated_qkv, streamed_qkv,
-                                         streamed_qkv_reference)
+from pallas_kernels.streamed_qkv import (chunk_rows, chunk_scratch_bytes, reference_rotated_qkv,
+                                         streamed_qkv, streamed_qkv_reference)
 
 
 def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias="f32", seed=0):
@@ -103,13 +105,23 @@ CASES = [
 ]
 
 
+def rows_scratch(rows, x, heads, head_dim):
+  """scratch_bytes that makes the chunked method use ``rows``-row chunks."""
+  return chunk_scratch_bytes(rows, x.shape[2], 3 * heads * head_dim)
+
+
 @pytest.mark.parametrize("head_dim,rot_dim,k_scheme,v_scheme,bias,classes,full_width", CASES)
-def test_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, bias, classes, full_width):
+@pytest.mark.parametrize("method", ["chunked", "fused"])
+def test_matches_reference(method, head_dim, rot_dim, k_scheme, v_scheme, bias, classes, full_width):
   x, w, b, kw = make_inputs(head_dim=head_dim, rot_dim=rot_dim, bias=bias,
                             seed=head_dim + rot_dim)
   meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme,
                  rotation_seed_k=3, rotation_seed_v=4)
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, full_width_gemm=full_width)
+  # chunked: 128-row chunks over T = 200 (a full chunk, then a ragged one) for both
+  # batch rows; or the whole sequence in one padded chunk.
+  tune = (dict(full_width_gemm=full_width) if method == "fused" else
+          dict(scratch_bytes=rows_scratch(128 if full_width else 256, x, 2, head_dim)))
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method=method, **tune)
   assert q.shape == (2, 200, 2, head_dim) and q.dtype == jnp.bfloat16
   assert packed.meta.rotation_seed_k == 3 and packed.meta.rotation_seed_v == 4
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
@@ -129,8 +141,36 @@ def test_programs_with_several_heads_or_blocks(tuning):
   meta_kw = dict(block_classes=(0, 1, 0, 0) if heads == 2 else (2, 0, 1, 2),
                  k_scheme="channel" if heads == 2 else "token",
                  v_scheme="token" if heads == 2 else "token_g64")
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, **tuning)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused", **tuning)
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
+
+
+def test_chunks_of_one_block_and_poisoned_buffers():
+  """64-row chunks (the fori_loop runs), every class, ragged T; the chunked method
+  writes into given buffers (NaN Q and stats, 0xFF codes) and leaves nothing of them."""
+  from pallas_kernels import streamed_qkv as sq
+  from pallas_kernels.projection_ops import epilogue_constants
+  t = 330
+  classes = fmt.resolve_block_classes(t, [(0, 60, "bf16"), (130, 200, "int8")])
+  x, w, b, kw = make_inputs(b=2, t=t, hidden=96, heads=2, head_dim=64, rot_dim=48, seed=3)
+  meta_kw = dict(block_classes=classes, k_scheme="channel", v_scheme="token_g64")
+  assert chunk_rows(t, 96, 3 * 2 * 64, rows_scratch(64, x, 2, 64)) == 64
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
+                           scratch_bytes=rows_scratch(64, x, 2, 64))
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  meta = packed.meta
+  poison = {"q": jnp.full(q.shape, jnp.nan, jnp.bfloat16)}
+  for name, (shape, dtype) in fmt.buffer_specs(meta).items():
+    if shape[2]:
+      poison[name] = jnp.full(shape, 255 if dtype == "uint8" else jnp.nan, dtype)
+  consts = epilogue_constants(64, 48, 0, 1, kw["q_norm_weight"], kw["k_norm_weight"])
+  q2, packed2 = jax.jit(lambda x, w, b, cos, sin, init: sq._chunked(
+      x, w, b, cos, sin, consts, meta, rows=64, eps=1e-5, interpret=True, init=init))(
+          x, w, b, kw["rope_cos"], kw["rope_sin"], poison)
+  np.testing.assert_array_equal(np.asarray(q2, np.float32), np.asarray(q, np.float32))
+  for name in fmt.ARRAY_NAMES:
+    np.testing.assert_array_equal(np.asarray(packed2.arrays[name]), np.asarray(packed.arrays[name]),
+                                  err_msg=name)
 
 
 def test_mixed_policy_and_padded_tail():
@@ -141,27 +181,32 @@ def test_mixed_policy_and_padded_tail():
   x, w, b, kw = make_inputs(t=t, head_dim=64, rot_dim=48, hidden=96, seed=7)  # ragged hidden
   meta_kw = dict(block_classes=classes)
   q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, block_q=64, block_h=64,
-                           full_width_gemm=True)
+                           full_width_gemm=True, method="fused")
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  q2, packed2 = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
+                             scratch_bytes=rows_scratch(128, x, 2, 64))
+  check_against_reference(q2, packed2, x, w, b, kw, meta_kw)
   # The tail block (tokens 192..255, 8 live) is bf16: rows past T must be exact zeros
   # although the bias makes the projection of a zero row nonzero.
   last = packed.meta.slots("bf16").index(len(classes) - 1)
-  for role in "kv":
-    store = np.asarray(packed.arrays[f"{role}_bf16"], np.float32)
-    tail = store[:, :, last * 64 + 8:(last + 1) * 64]
-    assert tail.size and not tail.any()
+  for p in (packed, packed2):
+    for role in "kv":
+      store = np.asarray(p.arrays[f"{role}_bf16"], np.float32)
+      tail = store[:, :, last * 64 + 8:(last + 1) * 64]
+      assert tail.size and not tail.any()
 
 
 def test_padded_tokens_token_scheme():
   """Per-token params of padded tokens follow the format: scale 1, zero 0, codes 0."""
   x, w, b, kw = make_inputs(b=1, t=40, head_dim=64, rot_dim=32, seed=11)
   meta_kw = dict(k_scheme="token", v_scheme="token_g64")
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True)
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
-  for role in "kv":
-    assert (np.asarray(packed.arrays[f"{role}_scale4"])[..., 40:] == 1).all()
-    assert (np.asarray(packed.arrays[f"{role}_zero4"])[..., 40:] == 0).all()
-    assert (np.asarray(packed.arrays[f"{role}_codes4"])[:, :, 40:] == 0).all()
+  for method in ("chunked", "fused"):
+    q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method=method)
+    check_against_reference(q, packed, x, w, b, kw, meta_kw)
+    for role in "kv":
+      assert (np.asarray(packed.arrays[f"{role}_scale4"])[..., 40:] == 1).all()
+      assert (np.asarray(packed.arrays[f"{role}_zero4"])[..., 40:] == 0).all()
+      assert (np.asarray(packed.arrays[f"{role}_codes4"])[:, :, 40:] == 0).all()
 
 
 def test_defaults_and_empty_classes():
@@ -199,6 +244,9 @@ def _bad(**changes):
     (lambda a: dict(k_scheme="group"), "k_scheme 'group' unknown"),
     (lambda a: dict(bias=a["bias"][:10]), r"bias must be \(3\*H\*D,\)"),
     (lambda a: dict(q_norm_weight=jnp.ones((32,))), r"q_norm_weight must be \(64,\)"),
+    (lambda a: dict(x=a["x"][:, :0], rope_cos=a["rope_cos"][:0], rope_sin=a["rope_sin"][:0]),
+     "x has an empty axis"),
+    (lambda a: dict(x=a["x"][:0]), "x has an empty axis"),
 ])
 def test_bad_inputs(changes, match):
   args = _bad()
@@ -220,6 +268,15 @@ def test_bad_tiles():
     streamed_qkv(x, w, b, **kw, interpret=True, q_heads_per_program=3)
   with pytest.raises(ValueError, match="kv_blocks_per_program must be 1 or 2"):
     streamed_qkv(x, w, b, **kw, interpret=True, kv_blocks_per_program=4)
+  with pytest.raises(ValueError, match="method must be one of"):
+    streamed_qkv(x, w, b, **kw, interpret=True, method="cublas")
+  with pytest.raises(ValueError, match="holds no 64-row chunk"):
+    streamed_qkv(x, w, b, **kw, interpret=True, method="chunked", scratch_bytes=1000)
+  with pytest.raises(ValueError, match="scratch_bytes must be >= 0"):
+    streamed_qkv(x, w, b, **kw, interpret=True, scratch_bytes=-1)
+  # auto falls back to the fused kernel when no chunk fits
+  q, packed = streamed_qkv(x, w, b, **kw, interpret=True, scratch_bytes=1000)
+  check_against_reference(q, packed, x, w, b, kw, {})
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,9 +307,23 @@ def test_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_scheme, hidden, bias
   without `mask`...). It runs on CPU when lowering for platform cuda."""
   x, w, b, kw = _abstract(1, 200, hidden, 2, head_dim, rot_dim, bias)
   lowered = streamed_qkv.trace(x, w, b, **kw, block_classes=(0, 1, 2, 0), k_scheme=k_scheme,
-                               v_scheme=v_scheme, interpret=False,
+                               v_scheme=v_scheme, interpret=False, method="fused",
                                **tuning).lower(lowering_platforms=("cuda",))
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4  # Q + three classes
+
+
+@pytest.mark.parametrize("head_dim,rot_dim,k_scheme,v_scheme,bias", [
+    (128, 96, "channel", "token", True), (64, 48, "token", "token_g64", False)])
+def test_chunked_epilogue_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_scheme, bias):
+  """B = 2, 128-row chunks over T = 200 (the last one shifted to end at the last
+  block): one loop over every chunk of both batch rows, every class in one kernel,
+  and the kernel that creates the uninitialized buffers."""
+  x, w, b, kw = _abstract(2, 200, 256, 2, head_dim, rot_dim, bias)
+  text = streamed_qkv.trace(
+      x, w, b, **kw, block_classes=(0, 1, 2, 0), k_scheme=k_scheme, v_scheme=v_scheme, interpret=False,
+      method="chunked", scratch_bytes=chunk_scratch_bytes(128, 256, 6 * head_dim)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 2 and "qkv_epilogue" in text and "qkv_buffers" in text
 
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
@@ -314,11 +385,20 @@ def _mem_case(heads):
   return x, w, kw, q_bytes, q_types
 
 
-def test_no_full_qkv_in_gpu_program():
+def _method_kw(method, heads):
+  """The fused kernel, or the chunked method with 64-row chunks (its f32 scratch is then
+  smaller than one head-sized bf16 tensor at these sizes)."""
+  if method == "fused":
+    return dict(method="fused")
+  return dict(method="chunked", scratch_bytes=chunk_scratch_bytes(64, MEM["hidden"], 3 * heads * MEM["head_dim"]))
+
+
+@pytest.mark.parametrize("method", ["chunked", "fused"])
+def test_no_full_qkv_in_gpu_program(method):
   """The program XLA gets on the GPU (lowered for cuda, on CPU): no tensor as large as
   a bf16 K, except Q. The anti-pattern fails the same check."""
   x, w, kw, q_bytes, q_types = _mem_case(8)
-  text = streamed_qkv.trace(x, w, **kw, interpret=False).lower(
+  text = streamed_qkv.trace(x, w, **kw, interpret=False, **_method_kw(method, 8)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert big_buffers(stablehlo_tensors(text), q_bytes, q_types) == []
   bad = jax.jit(anti_pattern, static_argnames=("heads", "head_dim", "rot_dim")).trace(
@@ -327,16 +407,21 @@ def test_no_full_qkv_in_gpu_program():
 
 
 def test_no_full_qkv_in_compiled_interpret():
-  """Compiled (interpret mode, XLA:CPU): no buffer as large as a bf16 K except Q, and
-  temp memory grows per head by about one Q slice (the interpreter's NaN-filled Q),
-  not by a full K, V or QKV. The anti-pattern fails both checks."""
+  """Compiled (interpret mode, XLA:CPU), the fused kernel: no buffer as large as a bf16
+  K except Q, and temp memory grows per head by about one Q slice (the interpreter's
+  NaN-filled Q), not by a full K, V or QKV. The anti-pattern fails both checks.
+  (The chunked method's interpreter copies every aliased output through its loop, so
+  its CPU temp says nothing about the GPU: ``test_gpu_chunked_program_stays_within
+  _the_budget_at_h3_shapes`` checks the compiled GPU program instead.)"""
+  method = "fused"
   compiled, temps = {}, {}
   for heads in (8, 16):
     x, w, kw, q_bytes, q_types = _mem_case(heads)
     for name, fn in (("kernel", streamed_qkv),
                      ("anti", jax.jit(anti_pattern, static_argnames=("heads", "head_dim",
                                                                      "rot_dim")))):
-      c = fn.trace(x, w, **kw).lower().compile()
+      extra = _method_kw(method, heads) if name == "kernel" else {}
+      c = fn.trace(x, w, **kw, **extra).lower().compile()
       compiled[name, heads] = (c, q_bytes, q_types)
       temps[name, heads] = c.memory_analysis().temp_size_in_bytes
   c, q_bytes, q_types = compiled["kernel", 16]
@@ -356,21 +441,43 @@ def test_no_full_qkv_in_compiled_interpret():
     (128, 96, "channel", "token", {}),
     (128, 96, "channel", "token", dict(full_width_gemm=True, num_warps=8, block_h=128,
                                        num_stages=2)),
+    (64, 48, "token", "token_g64", {}),
     (64, 48, "token", "token_g64", dict(block_q=64)),
     (128, 96, "channel", "token", dict(q_heads_per_program=2, kv_blocks_per_program=2)),
     (64, 48, "token", "token_g64", dict(q_heads_per_program=4, kv_blocks_per_program=2,
                                         full_width_gemm=False, num_warps=(4, 8))),
 ])
 def test_gpu_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, tuning):
+  """Both methods: the fused kernel with each tuning, the chunked method with 320-row
+  chunks (a loop chunk, more, and a ragged tail per batch row)."""
   t = 1000
   x, w, b, kw = make_inputs(b=2, t=t, hidden=512, heads=4, head_dim=head_dim, rot_dim=rot_dim,
                             seed=5)
   classes = fmt.resolve_block_classes(t, [(0, 100, "bf16"), (300, 420, "int8")])
   meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme)
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, **tuning)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, method="fused", **tuning)
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
-  # On the GPU, temp memory holds no K/V-sized buffer at all.
-  compiled = streamed_qkv.trace(x, w, b, **kw, **meta_kw, interpret=False,
+  # On the GPU, the fused kernel's temp memory holds no K/V-sized buffer at all.
+  compiled = streamed_qkv.trace(x, w, b, **kw, **meta_kw, interpret=False, method="fused",
                                 **tuning).lower().compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < x.shape[0] * t * 4 * head_dim * 2, temp
+  if not tuning:
+    scratch = rows_scratch(320, x, 4, head_dim)
+    q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, method="chunked",
+                             scratch_bytes=scratch)
+    check_against_reference(q, packed, x, w, b, kw, meta_kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget_mib", [128, 512])
+def test_gpu_chunked_program_stays_within_the_budget_at_h3_shapes(budget_mib):
+  """Compile (no run) the chunked method at T = 152,263, hidden 5376, 56 x 128: XLA's
+  temp memory (one chunk's f32 projection and x slice) stays within the budget."""
+  x, w, b, kw = _abstract(1, 152263, 5376, 56, 128, 96, bias=False)
+  budget = budget_mib << 20
+  classes = fmt.resolve_block_classes(152263, [(0, 4096, "int8")])
+  compiled = streamed_qkv.trace(x, w, **kw, block_classes=classes, interpret=False, method="chunked",
+                                scratch_bytes=budget).lower().compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp <= budget, f"temp {temp / 2**20:.1f} MiB > budget {budget_mib} MiB"

@@ -127,6 +127,53 @@ def test_module_int4_default_and_compile_fullgraph(setup):
   assert torch.equal(compiled(s["x"], s["cos"], s["sin"], kv_mask=kv_mask), got)
 
 
+def test_module_is_one_layer_call_equal_to_the_ops(setup, mixed):
+  """The module's one op (projection + attention in one JAX call, output over Q) gives
+  what the separate ops give, for dense and Sol; and its schema, fake and AOT paths."""
+  s = setup
+  mod = s["mod"]
+  o_ops = mixed["o"].reshape(B, T, H * D)
+  want = mod.o_proj(o_ops)
+  got = mod(s["x"], s["cos"], s["sin"], block_classes=MIXED)
+  assert torch.equal(got, want)
+  args = (s["x"], mod.qkv_proj.weight_t, None, mod.q_norm.weight, mod.k_norm.weight, s["cos"], s["sin"], ROT, H,
+          D, list(MIXED), "channel", "token", 0, 1, 1e-5, "dense", None, None, None, None, 1.0, None, None, 0.0,
+          True, None, jqkv.DEFAULT_SCRATCH_BYTES, None)
+  torch.library.opcheck(torch.ops.packed_kv.attention_layer, args,
+                        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+  sol_mod = tb.PackedH3Attention(HIDDEN, H, D, attention="sol", sol_options=dict(tau=0.5, sink_blocks=(0, 1)))
+  sol_mod.load_state_dict(mod.state_dict())
+  so = tb.sol_attention(mixed["q"], mixed["packed"], tau=0.5, sink_blocks=(0, 1))
+  assert torch.equal(sol_mod(s["x"], s["cos"], s["sin"], block_classes=MIXED),
+                     sol_mod.o_proj(so.reshape(B, T, H * D)))
+  with pytest.raises(tb.BridgeError, match="Sol attention takes no segment ids"):
+    sol_mod(s["x"], s["cos"], s["sin"], kv_lengths=torch.tensor([T], dtype=torch.int32))
+
+
+def test_required_bytes_matches_the_buffers_of_a_call(setup, mixed):
+  """The formula's terms are the buffers the CPU path allocates: Q, the packed K/V,
+  one projection chunk, the streamed plan's scratch, the o_proj output."""
+  s = setup
+  need = s["mod"].required_bytes(T, block_classes=MIXED)
+  q, packed = mixed["q"], mixed["packed"]
+  assert need["q"] == q.numel() * q.element_size()
+  assert need["packed_kv"] == packed.nbytes()
+  width = 3 * H * D
+  rows = jqkv.chunk_rows(T, HIDDEN, width, jqkv.DEFAULT_SCRATCH_BYTES)
+  assert rows == 192 and need["projection_scratch"] == rows * (width * 4 + HIDDEN * 2) + jqkv.GEMM_WORKSPACE_BYTES
+  plan = jattn.streamed_plan(B, T, T, H, D, jqkv.DEFAULT_SCRATCH_BYTES)
+  assert plan.group == H and need["attention_scratch"] == plan.scratch == 4 * B * T * H * D * 2
+  out = s["mod"](s["x"], s["cos"], s["sin"], block_classes=MIXED)
+  assert need["o_proj_output"] == out.numel() * out.element_size()
+  assert need["peak"] == max(need["projection"], need["attention"], need["o_proj"])
+  assert need["projection"] == need["q"] + need["packed_kv"] + need["projection_scratch"]
+  # Small budgets: the chunk and the head group shrink, the peak with them.
+  small = tb.required_bytes(152263, 56, 128, 5376, scratch_bytes=128 << 20)
+  assert small["projection_scratch"] <= 128 << 20 and small["attention_scratch"] <= 128 << 20
+  with pytest.raises(ValueError, match="must be positive"):
+    tb.required_bytes(0, 56, 128, 5376)
+
+
 def test_sol_attention_bridge_equals_jax_kernel_and_compiles(mixed):
   """Sol through the bridge (eager and torch.compile(fullgraph)) == Sol in JAX."""
   from pallas_kernels import sol_attention as jsol
@@ -234,11 +281,13 @@ def test_opcheck(setup, mixed):
   and AOT dispatch, on the already-compiled MIXED configuration."""
   s = setup
   kw = s["kw"]
+  scratch = jqkv.DEFAULT_SCRATCH_BYTES
   qkv_args = (s["x"], s["w"], None, kw["q_norm_weight"], kw["k_norm_weight"], kw["rope_cos"],
-              kw["rope_sin"], ROT, H, D, list(MIXED), "channel", "token", 0, 1, 1e-5, None)
+              kw["rope_sin"], ROT, H, D, list(MIXED), "channel", "token", 0, 1, 1e-5, "auto", scratch, None)
   utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
   torch.library.opcheck(torch.ops.packed_kv.streamed_qkv, qkv_args, test_utils=utils)
-  attn_args = (mixed["q"], *ops._attention_args(mixed["packed"]), None, None, None, None, False, None)
+  attn_args = (mixed["q"], *ops._attention_args(mixed["packed"]), None, None, None, None, None, False, "auto",
+               scratch, None)
   torch.library.opcheck(torch.ops.packed_kv.packed_attention, attn_args, test_utils=utils)
 
 
@@ -294,8 +343,8 @@ def test_bad_attention_inputs(mixed):
   q, packed = mixed["q"], mixed["packed"]
   args = ops._attention_args(packed)
   call = lambda *a, **k: torch.ops.packed_kv.packed_attention(*a, **({"sm_scale": None,
-      "q_segment_ids": None, "kv_segment_ids": None, "kv_mask": None, "keep_rotated": False,
-      "interpret": None} | k))
+      "q_segment_ids": None, "kv_segment_ids": None, "kv_mask": None, "kv_lengths": None,
+      "keep_rotated": False, "method": "auto", "scratch_bytes": 1 << 29, "interpret": None} | k))
   with pytest.raises(tb.BridgeError, match=r"packed must hold 16 tensors"):
     call(q, args[0][:-1], *args[1:])
   bad = list(args[0])
@@ -311,6 +360,10 @@ def test_bad_attention_inputs(mixed):
     call(q, *args, q_segment_ids=seg, kv_segment_ids=seg)
   with pytest.raises(tb.BridgeError, match=r"kv_mask .* must be torch.bool"):
     call(q, *args, kv_mask=torch.ones(B, T, dtype=torch.uint8))
+  with pytest.raises(tb.BridgeError, match=r"kv_lengths .* must have shape \[1\]"):
+    call(q, *args, kv_lengths=torch.ones(2, dtype=torch.int32))
+  with pytest.raises(ValueError, match=r"method must be one of"):
+    call(q, *args, method="cudnn")
   with pytest.raises(tb.BridgeError, match=r"TorchPackedKV"):
     tb.packed_attention(q, packed.as_tuple())
 
@@ -318,22 +371,51 @@ def test_bad_attention_inputs(mixed):
 # --------------------------------------------------------------------------------------
 # Allocator policy
 # --------------------------------------------------------------------------------------
-def test_import_turns_preallocation_off():
-  env = {k: v for k, v in os.environ.items() if k != allocator.PREALLOCATE_VAR}
-  code = "import os, torch_bridge; print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))"
+def test_import_sets_the_sharing_policy():
+  """No preallocated pool, and the platform allocator (memory JAX frees goes back to
+  the device at once); a user's own setting wins."""
+  env = {k: v for k, v in os.environ.items() if k not in (allocator.PREALLOCATE_VAR, allocator.ALLOCATOR_VAR)}
+  code = ("import os, torch_bridge; print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'), "
+          "os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr
-  assert out.stdout.strip().splitlines()[-1] == "false"
+  assert out.stdout.strip().splitlines()[-1] == "false platform"
+  env[allocator.ALLOCATOR_VAR] = "cuda_async"
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert out.stdout.strip().splitlines()[-1] == "false cuda_async"
 
 
-def test_preallocated_backend_warns_or_raises(monkeypatch):
-  status = {"env": None, "preallocated": True, "pool_bytes": 1 << 30}
-  monkeypatch.setattr(allocator, "allocator_status", lambda: dict(status))
-  with pytest.warns(allocator.AllocatorWarning, match="XLA_PYTHON_CLIENT_PREALLOCATE=false"):
-    allocator.check_allocator()
-  with pytest.raises(RuntimeError, match="import torch_bridge before"):
-    allocator.check_allocator(strict=True)
+def test_pooling_backend_warns_or_raises(monkeypatch):
+  for status, match in (({"env": None, "allocator": None, "preallocated": True, "pools": True,
+                          "pool_bytes": 1 << 30}, "preallocation on"),
+                        ({"env": "false", "allocator": "bfc", "preallocated": False, "pools": True,
+                          "pool_bytes": 1 << 20}, "pooling allocator")):
+    monkeypatch.setattr(allocator, "allocator_status", lambda status=status: dict(status))
+    with pytest.warns(allocator.AllocatorWarning, match=match + ".*XLA_PYTHON_CLIENT_ALLOCATOR=platform"):
+      allocator.check_allocator()
+    with pytest.raises(RuntimeError, match="import torch_bridge before"):
+      allocator.check_allocator(strict=True)
+  monkeypatch.setattr(allocator, "allocator_status", lambda: {"preallocated": False, "pools": False})
+  allocator.check_allocator(strict=True)  # the policy itself: nothing to say
+
+
+def test_torch_cache_is_released_before_jax_allocates(monkeypatch):
+  """On a CUDA device the bridge empties torch's cache when torch holds more than
+  RELEASE_THRESHOLD bytes reserved but unused; never on the CPU."""
+  calls = []
+  state = {"reserved": 0, "allocated": 0}
+  monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: state["reserved"])
+  monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["allocated"])
+  monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+  monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+  cuda = torch.device("cuda", 0)
+  state.update(reserved=allocator.RELEASE_THRESHOLD, allocated=0)
+  assert allocator.release_torch_cache(cuda) == allocator.RELEASE_THRESHOLD and calls == []
+  state.update(reserved=5 << 30, allocated=1 << 30)
+  assert allocator.release_torch_cache(cuda) == 4 << 30 and calls == ["empty"]
+  assert allocator.release_torch_cache(torch.device("cpu")) == 0 and calls == ["empty"]
 
 
 # --------------------------------------------------------------------------------------
@@ -355,23 +437,21 @@ def gpu_setup():
 
 @pytest.mark.gpu
 def test_gpu_allocator_policy():
-  status = tb.allocator_status()
-  if status["env"] == "false":
-    assert status["preallocated"] is False, status
+  """In a fresh process: the bridge's policy (no pool kept), and a warning when JAX
+  started with its default pooling allocator anyway."""
   code = ("import torch_bridge as tb, jax.numpy as jnp; jnp.zeros(8).block_until_ready(); "
-          "s = tb.allocator_status(); print(s['preallocated'], s['pool_bytes'], s['bytes_limit'])")
-  env = {k: v for k, v in os.environ.items() if k != allocator.PREALLOCATE_VAR}
-  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+          "s = tb.check_allocator(); print(s['preallocated'], s['pools'])")
+  env = {k: v for k, v in os.environ.items() if k not in (allocator.PREALLOCATE_VAR, allocator.ALLOCATOR_VAR)}
+  out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
   assert out.returncode == 0, out.stderr
-  pre, pool, limit = out.stdout.split()[-3:]
-  assert pre == "False", out.stdout
+  assert out.stdout.split()[-2:] == ["False", "False"] and "AllocatorWarning" not in out.stderr, out
   env[allocator.PREALLOCATE_VAR] = "true"
-  out = subprocess.run([sys.executable, "-W", "always", "-c", code.replace(
-      "s = tb.allocator_status()", "s = tb.check_allocator()")], cwd=ROOT, env=env,
-      capture_output=True, text=True, timeout=300)
+  env[allocator.ALLOCATOR_VAR] = "bfc"
+  out = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr
-  assert out.stdout.split()[-3] == "True" and "AllocatorWarning" in out.stderr, out
+  assert out.stdout.split()[-2] == "True" and "AllocatorWarning" in out.stderr, out
 
 
 @pytest.mark.gpu

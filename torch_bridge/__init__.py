@@ -1,14 +1,16 @@
 """PyTorch bridge: the JAX kernels as torch custom ops, with zero-copy DLPack hand-offs.
 
 Importing this package first sets JAX's GPU allocator policy (see
-``torch_bridge.allocator``): ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless already
-set, so JAX and torch share the card. Import it before anything starts JAX's GPU
-backend, or the policy cannot apply (a warning then says so).
+``torch_bridge.allocator``): no preallocated pool and JAX's platform allocator, unless
+already set, so memory one framework frees is there for the other. Import it before
+anything starts JAX's GPU backend, or the policy cannot apply (a warning then says so).
 
 Public surface:
 
 * ``streamed_qkv`` / ``packed_attention`` / ``sol_attention``: eager front ends over
   the custom ops ``torch.ops.packed_kv.{streamed_qkv, packed_attention, sol_attention}``.
+* ``required_bytes``: the device memory an H3 attention block needs above what the
+  caller holds (``PackedH3Attention.required_bytes`` for a module's own settings).
 * ``TorchPackedKV``: torch mirror of ``formats.PackedKV`` (same buffers, same meta).
 * ``PackedH3Attention`` / ``ReferenceH3Attention``: an H3-style attention block on the
   ops, and the plain BF16 torch block whose ``state_dict`` it loads.
@@ -21,11 +23,11 @@ from torch_bridge.allocator import allocator_status, check_allocator  # noqa: E4
 from torch_bridge.dlpack import BridgeError, to_jax, to_torch  # noqa: E402
 from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_tensor,  # noqa: E402
                                     meta_to_json, meta_to_tensor, torch_buffer_specs)
-from torch_bridge.ops import (packed_attention, segment_ids_from_cu_seqlens, sol_attention,  # noqa: E402
-                             streamed_qkv)
+from torch_bridge.ops import (packed_attention, required_bytes, segment_ids_from_cu_seqlens,  # noqa: E402
+                             sol_attention, streamed_qkv)
 from torch_bridge.attention_module import PackedH3Attention, ReferenceH3Attention  # noqa: E402
 
 __all__ = ["allocator_status", "check_allocator", "BridgeError", "to_jax", "to_torch", "TorchPackedKV",
            "meta_from_json", "meta_from_tensor", "meta_to_json", "meta_to_tensor", "torch_buffer_specs",
-           "packed_attention", "segment_ids_from_cu_seqlens", "sol_attention", "streamed_qkv",
+           "packed_attention", "required_bytes", "segment_ids_from_cu_seqlens", "sol_attention", "streamed_qkv",
            "PackedH3Attention", "ReferenceH3Attention"]

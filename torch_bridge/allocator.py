@@ -1,25 +1,29 @@
-"""GPU memory policy for JAX and PyTorch sharing one device.
+"""GPU memory policy for JAX and PyTorch sharing one card.
 
-Why this exists: by default JAX's GPU client grabs 75% of device memory when its
-backend starts (``XLA_PYTHON_CLIENT_PREALLOCATE``), which leaves PyTorch a quarter of
-the card. The DESIGN budget (Q bf16 + packed K/V on one card next to torch
-activations) only fits if both frameworks allocate on demand.
+The problem, measured (``benchmarks/card_budget.py``, ``benchmarks/NOTES.md``): each
+framework keeps the memory it frees in its own pool, which the other cannot use. JAX
+preallocates 75% of the card by default; with preallocation off its BFC allocator
+still grows on demand and never gives memory back (on a 12 GiB budget its pool grew
+to 8 GiB and kept it); torch's caching allocator keeps freed blocks the same way.
+A block that needs 4 GiB for a moment then leaves the other framework short for good.
 
-The policy:
+The policy ``import torch_bridge`` sets, before JAX starts its GPU backend, unless the
+user already set the variable:
 
-* ``torch_bridge`` sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` at import unless the
-  user already set it. JAX reads the variable when it creates its GPU client (the
-  first ``jax.devices()``, array or jit call), not at ``import jax``, so this works as
-  long as torch_bridge is imported before JAX touches the GPU.
-* With preallocation off, JAX's BFC allocator grows on demand, capped at
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (default 0.75) of the card, and keeps freed
-  blocks in its own pool (as torch's caching allocator does). Neither framework
-  returns memory to the other; ``torch.cuda.empty_cache()`` releases torch's cache.
-  ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` would return memory eagerly but costs a
-  cudaMalloc per buffer, so it is not the default.
-* If JAX's GPU backend was already started with preallocation on, the bridge cannot
-  undo it: ``check_allocator`` warns (or raises with ``strict=True``) and names the
-  fix. Every op checks once, on its first GPU call.
+* ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``: JAX allocates each buffer with cudaMalloc
+  and frees it as soon as it dies, so memory JAX no longer uses is free on the device
+  for torch's next allocation. JAX's calls here allocate a few large buffers each,
+  so the per-buffer cudaMalloc costs nothing measurable (``card_budget``'s timings).
+* ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: no preallocated pool.
+* Before each op that enters JAX on a CUDA device, the bridge releases torch's cached
+  free blocks (``torch.cuda.empty_cache()``) when they exceed ``RELEASE_THRESHOLD``,
+  so JAX can allocate what torch has freed.
+
+JAX reads the variables when it creates its GPU client (the first ``jax.devices()``,
+array or jit call), not at ``import jax``: import torch_bridge before JAX touches the
+GPU. If the backend already started under another policy, ``check_allocator`` warns
+(or raises with ``strict=True``) and names the fix; every op checks once, on its
+first GPU call.
 """
 from __future__ import annotations
 
@@ -27,12 +31,14 @@ import os
 import warnings
 
 PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
-_FIX = (f"set {PREALLOCATE_VAR}=false in the environment, or import torch_bridge before "
-        "anything calls jax.devices(), creates a jax array or runs a jitted function")
+ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+RELEASE_THRESHOLD = 64 << 20   # torch cache (reserved - allocated) bytes worth a release
+_FIX = (f"set {PREALLOCATE_VAR}=false and {ALLOCATOR_VAR}=platform in the environment, or import "
+        "torch_bridge before anything calls jax.devices(), creates a jax array or runs a jitted function")
 
 
 class AllocatorWarning(UserWarning):
-  """JAX holds a preallocated GPU pool, so torch may run out of memory."""
+  """JAX holds a pool of GPU memory that torch cannot use."""
 
 
 def _backends_initialized() -> bool:
@@ -45,27 +51,34 @@ def _backends_initialized() -> bool:
 
 
 def configure() -> None:
-  """Turn JAX's GPU preallocation off if JAX has not started its backends yet.
+  """Set the policy's variables if JAX has not started its backends yet.
 
   Called by ``import torch_bridge``. An explicit user setting wins.
   """
   if not _backends_initialized():
     os.environ.setdefault(PREALLOCATE_VAR, "false")
+    os.environ.setdefault(ALLOCATOR_VAR, "platform")
 
 
 def _env_preallocates() -> bool:
   return os.environ.get(PREALLOCATE_VAR, "true").strip().lower() not in ("false", "0", "no")
 
 
-def allocator_status() -> dict:
-  """What the bridge can tell about JAX's GPU memory pool, without starting JAX.
+def _env_pools() -> bool:
+  """Whether JAX's allocator keeps freed memory in a pool (anything but 'platform')."""
+  return os.environ.get(ALLOCATOR_VAR, "bfc").strip().lower() != "platform"
 
-  ``preallocated`` is True when JAX's GPU backend is running and its pool was
-  preallocated (read from the pool statistics when the client reports them, else from
-  the environment), False when it grows on demand, None when no GPU backend runs yet.
+
+def allocator_status() -> dict:
+  """What the bridge can tell about JAX's GPU memory policy, without starting JAX.
+
+  ``preallocated``: True when JAX's GPU backend runs with a preallocated pool, False
+  when it does not, None when no GPU backend runs yet. ``pools``: whether JAX keeps
+  freed memory in its own pool (every allocator but ``platform``).
   """
-  status = {"env": os.environ.get(PREALLOCATE_VAR), "backends_initialized": _backends_initialized(),
-            "preallocated": None, "pool_bytes": None, "bytes_limit": None}
+  status = {"env": os.environ.get(PREALLOCATE_VAR), "allocator": os.environ.get(ALLOCATOR_VAR),
+            "backends_initialized": _backends_initialized(), "preallocated": None, "pools": None,
+            "pool_bytes": None, "bytes_limit": None}
   if not status["backends_initialized"]:
     return status
   import jax
@@ -82,23 +95,29 @@ def allocator_status() -> dict:
     pass
   status["pool_bytes"] = stats.get("pool_bytes")
   status["bytes_limit"] = stats.get("bytes_limit")
+  status["pools"] = _env_pools()
   if status["pool_bytes"] is not None and status["bytes_limit"]:
     # A preallocated pool equals the limit from the start; an on-demand one holds
     # only what was used. Half the limit separates them with a wide margin.
     status["preallocated"] = (status["pool_bytes"] >= 0.5 * status["bytes_limit"]
                               and _env_preallocates())
   else:
-    status["preallocated"] = _env_preallocates()
+    status["preallocated"] = _env_preallocates() and status["pools"]
   return status
 
 
 def check_allocator(strict: bool = False) -> dict:
-  """Warn (or raise RuntimeError with ``strict``) if JAX preallocated the GPU."""
+  """Warn (or raise RuntimeError with ``strict``) if JAX keeps GPU memory from torch."""
   status = allocator_status()
+  problem = None
   if status["preallocated"]:
-    msg = ("JAX started its GPU backend with memory preallocation on "
-           f"({PREALLOCATE_VAR}={status['env']!r}, pool {status['pool_bytes']} bytes), so it "
-           f"holds most of the card and torch may run out of memory. Fix: {_FIX}.")
+    problem = (f"JAX started its GPU backend with memory preallocation on ({PREALLOCATE_VAR}="
+               f"{status['env']!r}, pool {status['pool_bytes']} bytes), so it holds most of the card")
+  elif status["pools"]:
+    problem = (f"JAX started its GPU backend with a pooling allocator ({ALLOCATOR_VAR}="
+               f"{status['allocator']!r}), so memory it frees stays in its pool")
+  if problem:
+    msg = f"{problem} and torch may run out of memory. Fix: {_FIX}."
     if strict:
       raise RuntimeError(msg)
     warnings.warn(msg, AllocatorWarning, stacklevel=3)
@@ -114,3 +133,16 @@ def check_once() -> None:
   if not _checked:
     _checked = True
     check_allocator()
+
+
+def release_torch_cache(device) -> int:
+  """Before JAX allocates on ``device``: give torch's cached free blocks back to the
+  device when they exceed ``RELEASE_THRESHOLD``. Returns the bytes torch held free."""
+  import torch
+  if device.type != "cuda":
+    return 0
+  idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+  if idle > RELEASE_THRESHOLD:
+    with torch.cuda.device(device):
+      torch.cuda.empty_cache()
+  return idle

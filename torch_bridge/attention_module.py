@@ -16,8 +16,9 @@ Shared conventions (MiniMax-H3: hidden 5376, 56 heads x 128, rot_dim 96, eps 1e-
   ``pallas_kernels.rope.rope_tables``; channels [0, rot_dim) rotate split-half, the rest
   pass through.
 * Attention is full (non-causal); optional ``segment_ids`` (T,) int32 restrict it to a
-  packed sequence's own segment (``ops.segment_ids_from_cu_seqlens``) and ``kv_mask``
-  (B, T) bool drops padding keys.
+  packed sequence's own segment (``ops.segment_ids_from_cu_seqlens``), ``kv_mask``
+  (B, T) bool drops padding keys, and ``kv_lengths`` (B,) int32 keeps the first
+  kv_lengths[b] keys of batch row b.
 * ``o_proj``: Linear(H*D, hidden). Our attention output is un-rotated, so ``o_proj``
   applies to it as is.
 
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import formats
+from pallas_kernels.layer import required_bytes
+from pallas_kernels.streamed_qkv import DEFAULT_SCRATCH_BYTES
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +85,12 @@ class ReferenceH3Attention(nn.Module):
     self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, dtype=dtype, device=device)
 
   def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
-              segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None):
+              segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
+              kv_lengths: torch.Tensor | None = None):
     b, t, _ = x.shape
+    if kv_lengths is not None:
+      by_length = torch.arange(t, device=x.device)[None, :] < kv_lengths[:, None]
+      kv_mask = by_length if kv_mask is None else kv_mask & by_length
     h, d = self.heads, self.head_dim
     q, k, v = self.qkv_proj(x).view(b, t, 3, h, d).unbind(2)
     q = apply_rope(self.q_norm(q), rope_cos, rope_sin, self.rot_dim).to(x.dtype)
@@ -143,19 +150,25 @@ class KernelLayoutLinear(nn.Module):
 class PackedH3Attention(nn.Module):
   """The H3 attention block on ``torch.ops.packed_kv``: streamed QKV + packed attention.
 
-  Q and the packed K/V come from one projection kernel; attention reads the packed
-  K/V tile by tile. No BF16 copy of K or V exists at any point. Loads the
-  ``state_dict`` of a ``ReferenceH3Attention`` of the same shape.
+  One custom op (``packed_kv::attention_layer``) runs the projection and attention in
+  one JAX call: Q and the packed K/V come from the streamed projection, attention
+  reads the packed K/V and writes its output over Q, and the packed K/V is freed when
+  the call returns, so the block never holds two Q-sized buffers, nor any BF16 copy of
+  K or V. ``o_proj`` then runs in torch. Loads the ``state_dict`` of a
+  ``ReferenceH3Attention`` of the same shape. ``required_bytes(tokens)`` tells the
+  device memory a forward needs above what the caller holds.
 
-  ``forward(x, rope_cos, rope_sin, *, segment_ids=None, kv_mask=None,
+  ``forward(x, rope_cos, rope_sin, *, segment_ids=None, kv_mask=None, kv_lengths=None,
   block_classes=None)``: ``block_classes`` (one class id per 64-token block, e.g. from
   ``formats.resolve_block_classes``) overrides the module's ``default_class`` for
   every block. Under ``torch.compile`` pass it as a tuple of Python ints.
+  ``kv_lengths`` (B,) int32: valid keys per batch row (trailing padding; cuDNN's own
+  mask on the streamed path).
 
   ``attention="sol"`` swaps dense attention for Sol sparse attention with
   ``sol_options`` (tau, sink_blocks, sink_q, topk_ratio, tail, max_exact; see
-  ``ops.sol_attention``). Sol takes ``kv_mask`` (as a boolean key bias) but not
-  ``segment_ids``.
+  ``ops.sol_attention``); Sol takes no segment ids or masks here.
+  ``scratch_bytes`` bounds the projection's and the dense attention's scratch.
   """
 
   def __init__(self, hidden: int, heads: int, head_dim: int, *, rot_dim: int | None = None,
@@ -163,8 +176,8 @@ class PackedH3Attention(nn.Module):
                k_scheme: str = formats.DEFAULT_K_SCHEME, v_scheme: str = formats.DEFAULT_V_SCHEME,
                rotation_seed_k: int = 0, rotation_seed_v: int = 1, default_class: str = "int4",
                sm_scale: float | None = None, attention: str = "dense",
-               sol_options: dict | None = None, interpret: bool | None = None,
-               dtype: torch.dtype = torch.bfloat16, device=None):
+               sol_options: dict | None = None, scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+               interpret: bool | None = None, dtype: torch.dtype = torch.bfloat16, device=None):
     super().__init__()
     if default_class not in formats.CLASS_ID:
       raise ValueError(f"default_class {default_class!r} unknown; use one of {formats.CLASSES}")
@@ -182,6 +195,7 @@ class PackedH3Attention(nn.Module):
     self.rotation_seed_k, self.rotation_seed_v = rotation_seed_k, rotation_seed_v
     self.default_class = formats.CLASS_ID[default_class]
     self.sm_scale, self.interpret = sm_scale, interpret
+    self.scratch_bytes = int(scratch_bytes)
     self.qkv_proj = KernelLayoutLinear(hidden, 3 * heads * head_dim, bias=qkv_bias, dtype=dtype,
                                        device=device)
     # Norm weights stay float32: the kernel's epilogue takes them in f32, and loading a
@@ -190,33 +204,29 @@ class PackedH3Attention(nn.Module):
     self.k_norm = RMSNorm(head_dim, eps, dtype=torch.float32, device=device)
     self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, dtype=dtype, device=device)
 
+  def required_bytes(self, tokens: int, batch: int = 1, block_classes: Sequence[int] | None = None) -> dict:
+    """Device bytes a forward over ``tokens`` tokens needs above what the caller holds
+    (x, the weights, the RoPE tables), phase by phase (``pallas_kernels.layer.required_bytes``)."""
+    return required_bytes(tokens, self.heads, self.head_dim, self.hidden, batch=batch,
+                          block_classes=block_classes, k_scheme=self.k_scheme, v_scheme=self.v_scheme,
+                          attention=self.attention, scratch_bytes=self.scratch_bytes,
+                          sol_options=self.sol_options if self.attention == "sol" else None)
+
   def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
               segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
-              block_classes: Sequence[int] | None = None):
+              kv_lengths: torch.Tensor | None = None, block_classes: Sequence[int] | None = None):
     b, t, _ = x.shape
     h, d = self.heads, self.head_dim
     if block_classes is None:
       classes = [self.default_class] * (-(-t // formats.BLOCK))
     else:
       classes = [int(c) for c in block_classes]
-    out = torch.ops.packed_kv.streamed_qkv(
-        x, self.qkv_proj.weight_t, self.qkv_proj.bias, self.q_norm.weight.float(),
-        self.k_norm.weight.float(), rope_cos, rope_sin, self.rot_dim, h, d, classes, self.k_scheme,
-        self.v_scheme, self.rotation_seed_k, self.rotation_seed_v, self.eps, self.interpret)
-    meta_args = (t, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
-                 self.rotation_seed_v)
-    if self.attention == "dense":
-      o = torch.ops.packed_kv.packed_attention(
-          out[0], list(out[1:]), *meta_args, self.sm_scale, segment_ids, segment_ids, kv_mask,
-          False, self.interpret)
-    else:
-      if segment_ids is not None:
-        raise ValueError("Sol attention has no segment ids (its diagonal assumes one sequence); "
-                         "use attention='dense' for packed varlen batches")
-      so = self.sol_options
-      o = torch.ops.packed_kv.sol_attention(
-          out[0], list(out[1:]), *meta_args, float(so["tau"]), self.sm_scale,
-          None if so["sink_blocks"] is None else list(so["sink_blocks"]),
-          None if so["sink_q"] is None else list(so["sink_q"]), kv_mask, float(so["topk_ratio"]),
-          bool(so["tail"]), None, so["max_exact"], False, self.interpret)
+    so = self.sol_options
+    o = torch.ops.packed_kv.attention_layer(
+        x, self.qkv_proj.weight_t, self.qkv_proj.bias, self.q_norm.weight.float(), self.k_norm.weight.float(),
+        rope_cos, rope_sin, self.rot_dim, h, d, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
+        self.rotation_seed_v, self.eps, self.attention, self.sm_scale, segment_ids, kv_mask, kv_lengths,
+        float(so["tau"]), None if so["sink_blocks"] is None else list(so["sink_blocks"]),
+        None if so["sink_q"] is None else list(so["sink_q"]), float(so["topk_ratio"]), bool(so["tail"]),
+        so["max_exact"], self.scratch_bytes, self.interpret)
     return self.o_proj(o.reshape(b, t, h * d))

@@ -17,36 +17,46 @@ Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)`
 
 * ``packed_kv::streamed_qkv(x, w_qkv, bias?, q_norm_weight, k_norm_weight, rope_cos,
   rope_sin, rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
-  rotation_seed_k, rotation_seed_v, eps, interpret?) -> (q, *packed)``: 17 tensors.
+  rotation_seed_k, rotation_seed_v, eps, method, scratch_bytes, interpret?) -> (q, *packed)``:
+  17 tensors.
 * ``packed_kv::packed_attention(q, packed[16], num_tokens, block_classes, k_scheme,
   v_scheme, rotation_seed_k, rotation_seed_v, sm_scale?, q_segment_ids?,
-  kv_segment_ids?, kv_mask?, keep_rotated, interpret?) -> o``.
+  kv_segment_ids?, kv_mask?, kv_lengths?, keep_rotated, method, scratch_bytes, interpret?) -> o``.
 * ``packed_kv::sol_attention(q, packed[16], num_tokens, block_classes, k_scheme,
   v_scheme, rotation_seed_k, rotation_seed_v, tau, sm_scale?, sink_blocks?, sink_q?,
   key_bias?, topk_ratio, tail, block_len?, max_exact?, keep_rotated, interpret?) -> o``.
+* ``packed_kv::attention_layer(x, w_qkv, bias?, q_norm_weight, k_norm_weight, rope_cos,
+  rope_sin, rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k,
+  rotation_seed_v, eps, attention, sm_scale?, segment_ids?, kv_mask?, kv_lengths?, tau,
+  sink_blocks?, sink_q?, topk_ratio, tail, max_exact?, scratch_bytes, interpret?) -> o``:
+  projection and attention in one JAX call, the output over Q (``pallas_kernels.layer``).
 
 Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
 stream-ordered; read that module's docstring for the stream and lifetime rules). The
 ops are inference-only: no autograd formula is registered, so a backward through them
 raises.
 
-The ops call the public JAX functions (``pallas_kernels.streamed_qkv.streamed_qkv``,
-``attention.packed_attention``, ``sol_attention.sol_attention``), which jit their
-kernels: torch and JAX callers share one compilation cache, and a bridge call costs
-the JAX call plus validation and DLPack hand-offs. ``benchmarks/bench_bridge.py``
-measures that overhead against calling the same function from JAX.
+The ops call the public JAX functions (``pallas_kernels.streamed_qkv``,
+``packed_attention``, ``sol_attention``, ``attention_layer``), which jit their kernels:
+torch and JAX callers share one compilation cache, and a bridge call costs the JAX
+call plus validation and DLPack hand-offs. ``benchmarks/bench_bridge.py`` measures
+that overhead against calling the same function from JAX. Before each call on a CUDA
+device the bridge gives torch's cached free blocks back to the device
+(``allocator.release_torch_cache``), so JAX can use memory torch no longer does.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 from typing import Optional, Sequence
 
 import torch
 
 import formats
 from formats import ARRAY_NAMES, PackedKVMeta
-from torch_bridge import dlpack
+from pallas_kernels import attention as jattention
+from pallas_kernels import layer as jlayer
+from pallas_kernels import sol_attention as jsol
+from pallas_kernels import streamed_qkv as jqkv
+from torch_bridge import allocator, dlpack
 from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
 
 NAMESPACE = "packed_kv"
@@ -54,14 +64,12 @@ NUM_ARRAYS = len(ARRAY_NAMES)
 _QKV_RESULT = tuple[(torch.Tensor,) * (1 + NUM_ARRAYS)]
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(module: str, name: str):
-  """A function of ``pallas_kernels.<module>``, imported on first use.
-
-  The bridge calls the public JAX functions themselves (each jits its kernel), so a
-  torch caller and a JAX caller share one compilation cache and one code path.
-  """
-  return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
+def _enter_jax(tensors: dict, interpret) -> torch.device:
+  """Check the inputs' device against where the kernels run, then free torch's idle
+  cache on it so that JAX can allocate what torch has freed."""
+  device = dlpack.check_device(tensors, interpret)
+  allocator.release_torch_cache(device)
+  return device
 
 
 def _check(t, name, *, real: bool, **kw):
@@ -129,22 +137,23 @@ def _streamed_qkv_op(
     x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: torch.Tensor,
     k_norm_weight: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rot_dim: int,
     heads: int, head_dim: int, block_classes: Sequence[int], k_scheme: str, v_scheme: str,
-    rotation_seed_k: int, rotation_seed_v: int, eps: float, interpret: Optional[bool],
+    rotation_seed_k: int, rotation_seed_v: int, eps: float, method: str, scratch_bytes: int,
+    interpret: Optional[bool],
 ) -> _QKV_RESULT:
   meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
                    head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
                    real=True)
-  dlpack.check_device({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
-                       "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin},
-                      interpret)
+  _enter_jax({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
+              "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin}, interpret)
   j = dlpack.to_jax
-  q, packed = _kernel("streamed_qkv", "streamed_qkv")(
+  q, packed = jqkv.streamed_qkv(
       j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"), q_norm_weight=j(q_norm_weight, "q_norm_weight"),
       k_norm_weight=j(k_norm_weight, "k_norm_weight"), rope_cos=j(rope_cos, "rope_cos"),
       rope_sin=j(rope_sin, "rope_sin"), rot_dim=int(rot_dim), heads=int(heads),
       head_dim=int(head_dim), block_classes=meta.block_classes, k_scheme=k_scheme,
       v_scheme=v_scheme, rotation_seed_k=meta.rotation_seed_k,
-      rotation_seed_v=meta.rotation_seed_v, eps=float(eps), interpret=interpret)
+      rotation_seed_v=meta.rotation_seed_v, eps=float(eps), method=method,
+      scratch_bytes=int(scratch_bytes), interpret=interpret)
   if packed.meta != meta:
     raise dlpack.BridgeError(f"kernel returned packed K/V metadata {packed.meta}, expected {meta}")
   # Outputs are imported (queuing torch's wait on JAX) before the JAX views of the
@@ -155,7 +164,7 @@ def _streamed_qkv_op(
 @_streamed_qkv_op.register_fake
 def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
                        head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-                       eps, interpret):
+                       eps, method, scratch_bytes, interpret):
   meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
                    head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
                    real=False)
@@ -170,7 +179,8 @@ def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None
                  rope_sin: torch.Tensor, rot_dim: int, heads: int, head_dim: int,
                  block_classes: Sequence[int] | None = None, k_scheme: str = formats.DEFAULT_K_SCHEME,
                  v_scheme: str = formats.DEFAULT_V_SCHEME, rotation_seed_k: int = 0,
-                 rotation_seed_v: int = 1, eps: float = 1e-5,
+                 rotation_seed_v: int = 1, eps: float = 1e-5, method: str = "auto",
+                 scratch_bytes: int = jqkv.DEFAULT_SCRATCH_BYTES,
                  interpret: bool | None = None) -> tuple[torch.Tensor, TorchPackedKV]:
   """Torch front end of ``pallas_kernels.streamed_qkv.streamed_qkv``.
 
@@ -182,7 +192,8 @@ def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None
   classes = _default_classes(t) if block_classes is None else [int(c) for c in block_classes]
   out = torch.ops.packed_kv.streamed_qkv(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos,
                                          rope_sin, rot_dim, heads, head_dim, classes, k_scheme,
-                                         v_scheme, rotation_seed_k, rotation_seed_v, eps, interpret)
+                                         v_scheme, rotation_seed_k, rotation_seed_v, eps, method,
+                                         scratch_bytes, interpret)
   meta = PackedKVMeta(x.shape[0], heads, head_dim, t, tuple(classes), k_scheme, v_scheme,
                       rotation_seed_k, rotation_seed_v)
   return out[0], TorchPackedKV.from_tuple(meta, out[1:])
@@ -192,7 +203,7 @@ def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None
 # Dense packed attention
 # --------------------------------------------------------------------------------------
 def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                    rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, *, real: bool):
+                    rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths=None, *, real: bool):
   """Validate attention inputs against the format; return the packed K/V metadata."""
   _check(q, "q", real=real, dtype=torch.bfloat16, ndim=4)
   b, tq, h, d = q.shape
@@ -218,6 +229,7 @@ def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, ro
                                f"{list(ids.shape)}")
     _check(ids, name, real=real, dtype=torch.int32, device=device)
   _check(kv_mask, "kv_mask", real=real, dtype=torch.bool, shape=(b, meta.num_tokens), device=device)
+  _check(kv_lengths, "kv_lengths", real=real, dtype=torch.int32, shape=(b,), device=device)
   return meta
 
 
@@ -226,29 +238,31 @@ def _packed_attention_op(
     q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, block_classes: Sequence[int],
     k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
     sm_scale: Optional[float], q_segment_ids: Optional[torch.Tensor],
-    kv_segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor], keep_rotated: bool,
+    kv_segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
+    kv_lengths: Optional[torch.Tensor], keep_rotated: bool, method: str, scratch_bytes: int,
     interpret: Optional[bool],
 ) -> torch.Tensor:
   meta = _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                         rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, real=True)
-  dlpack.check_device({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
-                       "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,
-                       "kv_mask": kv_mask}, interpret)
+                         rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths, real=True)
+  _enter_jax({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
+              "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "kv_mask": kv_mask,
+              "kv_lengths": kv_lengths}, interpret)
   j = dlpack.to_jax
   jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
-  o = _kernel("attention", "packed_attention")(
+  o = jattention.packed_attention(
       j(q, "q"), jpacked, sm_scale=sm_scale, q_segment_ids=j(q_segment_ids, "q_segment_ids"),
       kv_segment_ids=j(kv_segment_ids, "kv_segment_ids"), kv_mask=j(kv_mask, "kv_mask"),
-      keep_rotated=bool(keep_rotated), interpret=interpret)
+      kv_lengths=j(kv_lengths, "kv_lengths"), keep_rotated=bool(keep_rotated), method=method,
+      scratch_bytes=int(scratch_bytes), interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
 @_packed_attention_op.register_fake
 def _packed_attention_fake(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
                            rotation_seed_v, sm_scale, q_segment_ids, kv_segment_ids, kv_mask,
-                           keep_rotated, interpret):
+                           kv_lengths, keep_rotated, method, scratch_bytes, interpret):
   _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                  rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, real=False)
+                  rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths, real=False)
   return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
@@ -261,19 +275,23 @@ def _attention_args(packed: TorchPackedKV):
 def packed_attention(q: torch.Tensor, packed: TorchPackedKV, *, sm_scale: float | None = None,
                      q_segment_ids: torch.Tensor | None = None,
                      kv_segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
-                     keep_rotated: bool = False, interpret: bool | None = None) -> torch.Tensor:
+                     kv_lengths: torch.Tensor | None = None, keep_rotated: bool = False,
+                     method: str = "auto", scratch_bytes: int = jattention.DEFAULT_SCRATCH_BYTES,
+                     interpret: bool | None = None) -> torch.Tensor:
   """Torch front end of ``pallas_kernels.attention.packed_attention``.
 
   q (B, Tq, H, D) bf16 in the rotated basis (as ``streamed_qkv`` returns it); returns
   O (B, Tq, H, D) bf16, un-rotated unless ``keep_rotated``. Segment ids are int32, (T,)
   shared by the batch (``segment_ids_from_cu_seqlens``) or (B, T); ``kv_mask`` is
-  (B, Tk) bool with True = attend. A query that sees no key outputs 0.
+  (B, Tk) bool with True = attend; ``kv_lengths`` (B,) int32 valid keys per batch row.
+  A query that sees no key outputs 0. ``method`` / ``scratch_bytes``: see the JAX function.
   """
   if not isinstance(packed, TorchPackedKV):
     raise dlpack.BridgeError(f"packed must be a TorchPackedKV, got {type(packed).__name__}; wrap "
                              "raw tensors with TorchPackedKV.from_tuple(meta, tensors)")
   return torch.ops.packed_kv.packed_attention(q, *_attention_args(packed), sm_scale, q_segment_ids,
-                                              kv_segment_ids, kv_mask, keep_rotated, interpret)
+                                              kv_segment_ids, kv_mask, kv_lengths, keep_rotated, method,
+                                              scratch_bytes, interpret)
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -324,11 +342,11 @@ def _sol_attention_op(
 ) -> torch.Tensor:
   meta = _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
                    rotation_seed_v, key_bias, block_len, real=True)
-  dlpack.check_device({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
-                       "key_bias": key_bias, "block_len": block_len}, interpret)
+  _enter_jax({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")], "key_bias": key_bias,
+              "block_len": block_len}, interpret)
   j = dlpack.to_jax
   jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
-  o = _kernel("sol_attention", "sol_attention")(
+  o = jsol.sol_attention(
       j(q, "q"), jpacked, tau=float(tau), sm_scale=sm_scale,
       sink_blocks=None if sink_blocks is None else tuple(int(v) for v in sink_blocks),
       sink_q=None if sink_q is None else tuple(int(v) for v in sink_q),
@@ -369,3 +387,79 @@ def sol_attention(q: torch.Tensor, packed: TorchPackedKV, *, tau: float = 1.0,
       None if sink_blocks is None else [int(v) for v in sink_blocks],
       None if sink_q is None else [int(v) for v in sink_q], key_bias, float(topk_ratio), bool(tail),
       block_len, max_exact, keep_rotated, interpret)
+
+
+# --------------------------------------------------------------------------------------
+# The attention core of an H3 block: projection + attention in one JAX call
+# --------------------------------------------------------------------------------------
+def _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads, head_dim,
+                block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, segment_ids,
+                kv_mask, kv_lengths, *, real: bool) -> PackedKVMeta:
+  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                   head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, real=real)
+  if attention not in jlayer.ATTENTIONS:
+    raise dlpack.BridgeError(f"attention must be one of {jlayer.ATTENTIONS}, got {attention!r}")
+  b, t = meta.batch, meta.num_tokens
+  if segment_ids is not None and tuple(segment_ids.shape) not in ((t,), (b, t)):
+    raise dlpack.BridgeError(f"segment_ids must be (T,) = ({t},) or (B, T) = {(b, t)}, got "
+                             f"{list(segment_ids.shape)}")
+  _check(segment_ids, "segment_ids", real=real, dtype=torch.int32, device=x.device)
+  _check(kv_mask, "kv_mask", real=real, dtype=torch.bool, shape=(b, t), device=x.device)
+  _check(kv_lengths, "kv_lengths", real=real, dtype=torch.int32, shape=(b,), device=x.device)
+  if attention == "sol" and any(a is not None for a in (segment_ids, kv_mask, kv_lengths)):
+    raise dlpack.BridgeError("Sol attention takes no segment ids or key masks in the layer op "
+                             "(its diagonal assumes one sequence); use attention='dense'")
+  return meta
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_layer", mutates_args=())
+def _attention_layer_op(
+    x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rot_dim: int,
+    heads: int, head_dim: int, block_classes: Sequence[int], k_scheme: str, v_scheme: str,
+    rotation_seed_k: int, rotation_seed_v: int, eps: float, attention: str, sm_scale: Optional[float],
+    segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor], kv_lengths: Optional[torch.Tensor],
+    tau: float, sink_blocks: Optional[Sequence[int]], sink_q: Optional[Sequence[int]], topk_ratio: float,
+    tail: bool, max_exact: Optional[int], scratch_bytes: int, interpret: Optional[bool],
+) -> torch.Tensor:
+  meta = _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                     head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention,
+                     segment_ids, kv_mask, kv_lengths, real=True)
+  _enter_jax({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
+              "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin,
+              "segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths}, interpret)
+  j = dlpack.to_jax
+  sol_options = None
+  if attention == "sol":
+    sol_options = dict(tau=float(tau), topk_ratio=float(topk_ratio), tail=bool(tail), max_exact=max_exact,
+                       sink_blocks=None if sink_blocks is None else tuple(int(v) for v in sink_blocks),
+                       sink_q=None if sink_q is None else tuple(int(v) for v in sink_q))
+  seg = j(segment_ids, "segment_ids")
+  o = jlayer.attention_layer(
+      j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"), q_norm_weight=j(q_norm_weight, "q_norm_weight"),
+      k_norm_weight=j(k_norm_weight, "k_norm_weight"), rope_cos=j(rope_cos, "rope_cos"),
+      rope_sin=j(rope_sin, "rope_sin"), rot_dim=int(rot_dim), heads=int(heads), head_dim=int(head_dim),
+      block_classes=meta.block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
+      rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v, eps=float(eps),
+      attention=attention, sm_scale=sm_scale, q_segment_ids=seg, kv_segment_ids=seg,
+      kv_mask=j(kv_mask, "kv_mask"), kv_lengths=j(kv_lengths, "kv_lengths"), sol_options=sol_options,
+      scratch_bytes=int(scratch_bytes), interpret=interpret)
+  return dlpack.to_torch(o, "o")
+
+
+@_attention_layer_op.register_fake
+def _attention_layer_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                          head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, eps,
+                          attention, sm_scale, segment_ids, kv_mask, kv_lengths, tau, sink_blocks, sink_q,
+                          topk_ratio, tail, max_exact, scratch_bytes, interpret):
+  _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads, head_dim,
+              block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, segment_ids,
+              kv_mask, kv_lengths, real=False)
+  b, t, _ = x.shape
+  return x.new_empty((b, t, heads, head_dim), dtype=torch.bfloat16)
+
+
+def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, **kw) -> dict:
+  """Device bytes an H3 attention block needs above what the caller holds, phase by
+  phase (``pallas_kernels.layer.required_bytes``: same arguments)."""
+  return jlayer.required_bytes(tokens, heads, head_dim, hidden, **kw)

@@ -1,0 +1,163 @@
+"""Decode one head group of a PackedKV into a bounded bf16 scratch, in the layout cuDNN
+flash attention takes (``packed_attention(method="streamed")``).
+
+Why: cuDNN is the fastest attention on every NVIDIA GPU it supports, and it reads
+bf16. Decoding the whole K and V would bring back the global expansion the format
+exists to avoid, so the streamed path decodes g heads at a time (g from a byte
+budget) and hands each group to cuDNN; this kernel is that decode. It is
+memory-bound: it reads the group's codes and scales once and writes bf16 once, with
+no float32 intermediate in memory.
+
+Kernel layout
+-------------
+* Grid ``(g, NB, B)``: one program per (head of the group, 64-token block, batch row).
+* The group's first head is an int32 input (``head0``), not a static number, so one
+  compiled kernel serves every group of a ``fori_loop``. The packed arrays come in
+  per batch row (BlockSpec ``(None, H, ...)``) and the kernel indexes the head
+  itself.
+* A block's class is data: ``classes[blk]`` / ``slots[blk]`` pick the store and the
+  slot, one ``pl.when`` branch per class that has blocks. Every class (int4, int8,
+  bf16) and every K/V scheme decodes here, the ragged last block included (its rows
+  past T are not stored).
+* Outputs are (B, T, g, D) bf16 (cuDNN's BTNH layout), each (batch row, head) a
+  whole (T, D) view written with masked row stores.
+* ``unrotate_v``: V is multiplied by ``R_v^T`` before it is rounded, so attention's
+  output ``P (V R_v^T) = (P V) R_v^T`` comes out un-rotated with no pass over it.
+* Everything works on the two channel halves of the format's split-half packing
+  (Triton cannot slice a loaded value).
+
+``dequantize_group_reference`` defines it.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from formats import packed_kv as fmt
+from pallas_kernels.backend import INT4_OFFSET, int4_halves, int8_to_bf16, unrotate_halves
+
+BLOCK = fmt.BLOCK
+
+
+def dequantize_group_reference(packed: fmt.PackedKV, head0: int, heads: int, *, unrotate_v: bool):
+  """(K, V) of heads ``[head0, head0 + heads)`` as (B, T, heads, D) bf16, in float32
+  then rounded once: K in the rotated basis, V un-rotated by ``R_v^T`` if asked."""
+  k, v = fmt.dequantize_reference(packed)
+  k, v = k[:, :, head0:head0 + heads], v[:, :, head0:head0 + heads]
+  if unrotate_v:
+    r_v = jnp.asarray(fmt.hadamard_rotation(packed.meta.head_dim, packed.meta.rotation_seed_v))
+    v = jnp.einsum("bthd,ed->bthe", v, r_v, precision=lax.Precision.HIGHEST)
+  return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+
+
+def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v):
+  r = dict(zip(names, refs))
+  d = meta.head_dim
+  dh = d // 2
+  lo_c, hi_c = pl.ds(0, dh), pl.ds(dh, dh)
+  h = r["head0"][0] + pl.program_id(0)
+  blk = pl.program_id(1)
+  cls_id, slot = r["classes"][blk], r["slots"][blk]
+  rows = pl.ds(slot * BLOCK, BLOCK)
+  valid = (blk * BLOCK + jnp.arange(BLOCK)) < meta.num_tokens
+  out_rows = pl.ds(blk * BLOCK, BLOCK)
+
+  def codes_f32(role, cls):
+    """The slot's codes as f32 halves (exact)."""
+    if cls == "int4":
+      lo, hi = int4_halves(r[role + "_codes4"][h, rows, :])
+      return lo.astype(jnp.float32) - INT4_OFFSET, hi.astype(jnp.float32) - INT4_OFFSET
+    c8 = r[role + "_codes8"]
+    return (int8_to_bf16(c8[h, rows, lo_c]).astype(jnp.float32),
+            int8_to_bf16(c8[h, rows, hi_c]).astype(jnp.float32))
+
+  def decoded(role, cls):
+    """(64, D/2) f32 halves of the slot's values: code * scale + zero."""
+    if cls == "bf16":
+      x = r[role + "_bf16"]
+      return x[h, rows, lo_c].astype(jnp.float32), x[h, rows, hi_c].astype(jnp.float32)
+    c_lo, c_hi = codes_f32(role, cls)
+    sfx = "4" if cls == "int4" else "8"
+    s_ref, z_ref = r[f"{role}_scale{sfx}"], r[f"{role}_zero{sfx}"]
+    scheme = meta.k_scheme if role == "k" else meta.v_scheme
+    if scheme == "channel":  # (H, N, D): one row per slot
+      params = [(s_ref[h, slot, c][None, :], z_ref[h, slot, c][None, :]) for c in (lo_c, hi_c)]
+    else:  # (H, groups, N * 64): one column per token, group g for half g (token_g64)
+      groups = 2 if scheme == "token_g64" else 1
+      params = [(s_ref[h, g % groups, rows][:, None], z_ref[h, g % groups, rows][:, None]) for g in (0, 1)]
+    (s_lo, z_lo), (s_hi, z_hi) = params
+    return c_lo * s_lo + z_lo, c_hi * s_hi + z_hi
+
+  m = valid[:, None]
+  for role in ("k", "v"):
+    out = r[role + "_out"]
+    for cls in present:
+      @pl.when(cls_id == fmt.CLASS_ID[cls])
+      def _(cls=cls, role=role, out=out):
+        lo, hi = decoded(role, cls)
+        if role == "v" and unrotate_v:
+          lo, hi = unrotate_halves(lo, hi, r["ht"], lo_c, hi_c, d)
+        plgpu.store(out.at[out_rows, lo_c], lo.astype(jnp.bfloat16), mask=m)
+        plgpu.store(out.at[out_rows, hi_c], hi.astype(jnp.bfloat16), mask=m)
+
+
+def block_tables(meta: fmt.PackedKVMeta):
+  """(class id, slot) of every global block, as two (NB,) int32 arrays."""
+  slot_of = [0] * meta.num_blocks
+  for cls in fmt.CLASSES:
+    for s, blk in enumerate(meta.slots(cls)):
+      slot_of[blk] = s
+  return jnp.asarray(meta.block_classes, jnp.int32), jnp.asarray(slot_of, jnp.int32)
+
+
+def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: bool, interpret: bool,
+                     num_warps: int = 4):
+  """(K, V) of heads ``[head0, head0 + heads)``: (B, T, heads, D) bf16 each.
+
+  ``head0``: a Python int or a traced int32 scalar (the group loop's index).
+  """
+  meta = packed.meta
+  b, t, d = meta.batch, meta.num_tokens, meta.head_dim
+  present = tuple(c for c in fmt.CLASSES if meta.slots(c))
+  names, args, specs = [], [], []
+
+  def add(name, x, spec):
+    names.append(name)
+    args.append(x)
+    specs.append(spec)
+
+  whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+  add("head0", jnp.reshape(jnp.asarray(head0, jnp.int32), (1,)), pl.BlockSpec((1,), lambda *_: (0,)))
+  for name, x in zip(("classes", "slots"), block_tables(meta)):
+    add(name, x, whole(x))
+  per_batch = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda j, blk, bi: (bi,) + (0,) * (x.ndim - 1))
+  for cls in present:
+    for role in ("k", "v"):
+      if cls == "bf16":
+        names_cls = [f"{role}_bf16"]
+      else:
+        sfx = "4" if cls == "int4" else "8"
+        names_cls = [f"{role}_codes{sfx}", f"{role}_scale{sfx}", f"{role}_zero{sfx}"]
+      for name in names_cls:
+        add(name, packed.arrays[name], per_batch(packed.arrays[name]))
+  if unrotate_v:
+    ht = jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16)
+    add("ht", ht, whole(ht))
+  out_spec = pl.BlockSpec((None, t, None, d), lambda j, blk, bi: (bi, 0, j, 0))
+  shape = jax.ShapeDtypeStruct((b, t, heads, d), jnp.bfloat16)
+  return pl.pallas_call(
+      functools.partial(_kernel, names=tuple(names) + ("k_out", "v_out"), meta=meta, present=present,
+                        unrotate_v=unrotate_v),
+      grid=(heads, meta.num_blocks, b),
+      in_specs=specs,
+      out_specs=[out_spec, out_spec],
+      out_shape=[shape, shape],
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name="kv_dequant",
+  )(*args)

@@ -1,0 +1,274 @@
+"""The projection epilogue over one row chunk: f32 ``y = x[rows] @ W_qkv`` -> the final
+Q and PackedKV buffers, written in place (``streamed_qkv(method="chunked")``).
+
+Why a separate epilogue: cuBLAS runs the GEMM faster than any Pallas GEMM we wrote
+(``benchmarks/NOTES.md``), so ``streamed_qkv`` computes the projection one row chunk at
+a time into a bounded f32 scratch, and this one kernel does everything else for the
+chunk: per-head RMSNorm, partial RoPE, the Hadamard rotation, the block stats,
+quantization of every precision class, nibble packing. Its outputs alias the final
+buffers (``input_output_aliases``), so nothing is concatenated or copied afterwards.
+
+Kernel layout
+-------------
+* Grid ``(H, rows / 64)``: one program per (head, 64-token block of the chunk). The
+  chunk's first token row, its row offset in y and its batch row are int32 inputs
+  (``pos``), not static numbers, so one compiled kernel serves every chunk of a
+  ``fori_loop``.
+* ``y`` is one whole (rows, 3HD) f32 ref; a program loads its (64, D/2) halves of
+  columns ``h`` (Q), ``H + h`` (K) and ``2H + h`` (V) with masked ``pl.ds`` loads,
+  from a row offset (``shift``) that lets the last chunk of a ragged sequence start
+  64-aligned. The final buffers are each head's arrays over all batch rows (the batch
+  row is data too), written with masked ``pl.ds`` stores at the block's row, slot or
+  stat row.
+* A block's precision class is data, not code: ``classes[blk]`` and ``slots[blk]``
+  (int32 tables over the global blocks) pick the store with ``pl.when``, one branch
+  per class that has blocks.
+* The math is ``projection_ops``'s, shared with the fused kernel, so both methods
+  give the same codes up to rounding ties (the GEMM's accumulation order differs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from formats import packed_kv as fmt
+from pallas_kernels import rope
+from pallas_kernels.projection_ops import (EpilogueConstants, add_bias, block_stats, class_array_names,
+                                           norm_rope, rotate, store_class)
+
+BLOCK = fmt.BLOCK
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+def _rms_norm(x, weight, eps):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rotated_qkv_reference(y, bias, *, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
+                          head_dim, rotation_seed_k=0, rotation_seed_v=1, eps=1e-5):
+  """f32 (B, T, H, D) q, k, v in the rotated basis from the projection ``y`` (B, T, 3HD).
+
+  The epilogue's definition: bias, per-head RMSNorm on q and k, partial split-half
+  RoPE, then ``R_k`` on q and k and ``R_v`` on v, all in float32.
+  """
+  b, t, _ = y.shape
+  hi = jax.lax.Precision.HIGHEST  # GPUs would otherwise use TF32 for f32 matmuls
+  y = y.astype(jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  q, k, v = (y.reshape(b, t, 3, heads, head_dim)[:, :, i] for i in range(3))
+  cos, sin = jnp.asarray(rope_cos, jnp.float32), jnp.asarray(rope_sin, jnp.float32)
+  r_k = jnp.asarray(fmt.hadamard_rotation(head_dim, rotation_seed_k))
+  r_v = jnp.asarray(fmt.hadamard_rotation(head_dim, rotation_seed_v))
+
+  def qk_epilogue(z, weight):
+    z = _rms_norm(z, jnp.asarray(weight, jnp.float32), eps)
+    z = rope.apply_rope_reference(z, cos, sin, rot_dim)
+    return jnp.dot(z, r_k, precision=hi)
+
+  return qk_epilogue(q, q_norm_weight), qk_epilogue(k, k_norm_weight), jnp.dot(v, r_v, precision=hi)
+
+
+def epilogue_reference(y, bias, meta: fmt.PackedKVMeta, **kw):
+  """(Q bf16, PackedKV) from the f32 projection ``y`` (B, T, 3HD): what this kernel
+  writes, over all chunks together. ``kw``: ``rotated_qkv_reference``'s keywords."""
+  q, k, v = rotated_qkv_reference(y, bias, heads=meta.heads, head_dim=meta.head_dim,
+                                  rotation_seed_k=meta.rotation_seed_k,
+                                  rotation_seed_v=meta.rotation_seed_v, **kw)
+  return q.astype(jnp.bfloat16), fmt.quantize_reference(k, v, meta)
+
+
+# --------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  t: int
+  heads: int
+  head_dim: int
+  eps: float
+  k_scheme: str
+  v_scheme: str
+  quadrants: tuple
+  present: tuple        # the classes that have blocks (each gets a store branch)
+  has_bias: bool
+
+
+def _kernel(*refs, names, cfg: _Config):
+  r = dict(zip(names, refs))
+  d, dh, h = cfg.head_dim, cfg.head_dim // 2, pl.program_id(0)
+  j = pl.program_id(1)
+  row0 = r["pos"][0] + j * BLOCK              # this program's first token row
+  yrow = r["pos"][1] + j * BLOCK              # ... and its row in y
+  bi = r["pos"][2]                            # batch row
+  blk = row0 // BLOCK
+  valid = (row0 + jnp.arange(BLOCK)) < cfg.t
+  m = valid[:, None]
+  rows = pl.ds(row0, BLOCK)
+  out = lambda name: _AtRow(r[name + "_out"], bi)  # this batch row's (head's) buffer
+
+  def projected(role):
+    col = (("q", "k", "v").index(role) * cfg.heads + h) * d
+    y = r["y"]
+    lo = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col, dh)], mask=m, other=0.0)
+    hi = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col + dh, dh)], mask=m, other=0.0)
+    return add_bias(lo, hi, r.get("bias_" + role), dh)
+
+  def qk(role, norm):
+    lo, hi = projected(role)
+    lo, hi = norm_rope(lo, hi, r[norm], r["cos"], r["sin"], r["p_mat"], row0, BLOCK, valid, dh=dh,
+                       eps=cfg.eps, quadrants=cfg.quadrants)
+    return rotate(lo, hi, r["h_half"], r["signs_k"], dh=dh)
+
+  lo, hi = qk("q", "q_norm")
+  plgpu.store(out("q").at[rows, pl.ds(0, dh)], lo.astype(jnp.bfloat16), mask=m)
+  plgpu.store(out("q").at[rows, pl.ds(dh, dh)], hi.astype(jnp.bfloat16), mask=m)
+
+  cls_id, slot = r["classes"][blk], r["slots"][blk]
+
+  def finish(role, lo, hi, scheme):
+    lo, hi = block_stats(lo, hi, out("k_mean" if role == "k" else "v_sum"), blk, valid, t=cfg.t, dh=dh,
+                         mean=role == "k")
+    for cls in cfg.present:
+      names = [n for n in class_array_names(cls) if n.startswith(role + "_")]
+      outs = out(names[0]) if cls == "bf16" else tuple(out(n) for n in names)
+
+      @pl.when(cls_id == fmt.CLASS_ID[cls])
+      def _(cls=cls, outs=outs):
+        store_class(lo, hi, valid, outs, cls=cls, scheme=scheme, dh=dh, slot=slot)
+
+  # K is finished and stored before V is loaded, to keep register use down.
+  finish("k", *qk("k", "k_norm"), cfg.k_scheme)
+  lo, hi = projected("v")
+  finish("v", *rotate(lo, hi, r["h_half"], r["signs_v"], dh=dh), cfg.v_scheme)
+
+
+class _AtRow:
+  """A ref seen at one leading index (the batch row): ``view.at[idx]`` is
+  ``ref.at[(row, *idx)]``, one indexer, which the Triton lowering takes (the shared
+  store helpers index their refs with ``.at[...]`` only)."""
+
+  def __init__(self, ref, row):
+    self.ref, self.row, self.dtype = ref, row, ref.dtype
+
+  @property
+  def at(self):
+    return self
+
+  def __getitem__(self, idx):
+    return self.ref.at[(self.row, *(idx if isinstance(idx, tuple) else (idx,)))]
+
+
+def buffer_names(meta) -> tuple:
+  """The buffers the kernel writes, in output order: q, the stats, then each
+  present class's arrays."""
+  names = ["q", "k_mean", "v_sum"]
+  for cls in fmt.CLASSES:
+    if meta.slots(cls):
+      names += class_array_names(cls)
+  return tuple(names)
+
+
+def _buffer_shapes(meta) -> dict:
+  specs = fmt.buffer_specs(meta)
+  shapes = {"q": ((meta.batch, meta.num_tokens, meta.heads, meta.head_dim), jnp.dtype(jnp.bfloat16))}
+  return shapes | {n: (specs[n][0], jnp.dtype(specs[n][1])) for n in buffer_names(meta)[1:]}
+
+
+def _head_spec(name, shape):
+  """Each head's buffer over all batch rows (the batch row is data): Q is (B, T, H, D),
+  the PackedKV arrays (B, H, ...)."""
+  if name == "q":
+    return pl.BlockSpec((shape[0], shape[1], None, shape[3]), lambda hh, j: (0, 0, hh, 0))
+  return pl.BlockSpec((shape[0], None) + tuple(shape[2:]), lambda hh, j: (0, hh) + (0,) * (len(shape) - 2))
+
+
+def _nothing(*refs):
+  del refs
+
+
+def empty_buffers(meta, *, interpret: bool) -> dict:
+  """Uninitialized Q and PackedKV buffers for the chunks to fill (a pallas_call that
+  writes nothing: no memset pass over 3+ GiB). Interpret mode fills them with NaN."""
+  shapes = _buffer_shapes(meta)
+  names = buffer_names(meta)
+  whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+  outs = pl.pallas_call(
+      _nothing, grid=(1,), in_specs=[],
+      out_specs=[whole(shapes[n][0]) for n in names],
+      out_shape=[jax.ShapeDtypeStruct(*shapes[n]) for n in names],
+      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+      interpret=interpret, name="qkv_buffers")()
+  return dict(zip(names, outs))
+
+
+def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: EpilogueConstants, meta, *,
+                  eps: float, interpret: bool, num_warps: int = 4, num_stages: int = 1):
+  """Run the epilogue of one chunk into ``buffers`` (aliased) and return them.
+
+  y: (rows, 3HD) f32, rows a multiple of 64: the projection of tokens
+  ``[row0 - shift, row0 - shift + rows)`` of batch row ``batch_index``. The kernel
+  writes tokens ``[row0, row0 + rows)`` below T (row0 a multiple of 64; the y rows of
+  token ``row0 + i`` is ``shift + i``). row0, shift, batch_index: int32 scalars,
+  static or traced. buffers: a dict with every name of ``buffer_names(meta)``: Q
+  (B, T, H, D) bf16 and the PackedKV arrays.
+  """
+  rows, width = y.shape
+  h, d = meta.heads, meta.head_dim
+  if rows % BLOCK or width != 3 * h * d:
+    raise ValueError(f"y must be (rows, 3HD) with rows a multiple of {BLOCK}, got {y.shape}")
+  shapes = _buffer_shapes(meta)
+  classes = jnp.asarray(meta.block_classes, jnp.int32)
+  slot_of = [0] * meta.num_blocks
+  for cls in fmt.CLASSES:
+    for s, blk in enumerate(meta.slots(cls)):
+      slot_of[blk] = s
+  cfg = _Config(t=meta.num_tokens, heads=h, head_dim=d, eps=float(eps), k_scheme=meta.k_scheme,
+                v_scheme=meta.v_scheme, quadrants=consts.quadrants,
+                present=tuple(c for c in fmt.CLASSES if meta.slots(c)), has_bias=bias is not None)
+
+  names, args, in_specs = [], [], []
+
+  def add(name, x, spec):
+    names.append(name)
+    args.append(x)
+    in_specs.append(spec)
+
+  whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+  pos = jnp.stack([jnp.asarray(v, jnp.int32) for v in (row0, shift, batch_index)])
+  add("pos", pos, whole(pos))
+  add("classes", classes, whole(classes))
+  slots = jnp.asarray(slot_of, jnp.int32)
+  add("slots", slots, whole(slots))
+  add("y", y, whole(y))
+  if bias is not None:
+    for i, role in enumerate("qkv"):
+      add("bias_" + role, bias, pl.BlockSpec((d,), lambda hh, j, i=i: (i * h + hh,)))
+  for name, x in (("q_norm", consts.q_norm), ("k_norm", consts.k_norm), ("cos", cos), ("sin", sin),
+                  ("p_mat", consts.p_mat), ("h_half", consts.h_half), ("signs_k", consts.signs_k),
+                  ("signs_v", consts.signs_v)):
+    add(name, x, whole(x))
+  out_names = buffer_names(meta)
+  aliases = {}
+  for k, name in enumerate(out_names):
+    aliases[len(args)] = k
+    add(name + "_in", buffers[name], _head_spec(name, shapes[name][0]))
+  outs = pl.pallas_call(
+      functools.partial(_kernel, names=tuple(names) + tuple(n + "_out" for n in out_names), cfg=cfg),
+      grid=(h, rows // BLOCK),
+      in_specs=in_specs,
+      out_specs=[_head_spec(n, shapes[n][0]) for n in out_names],
+      out_shape=[jax.ShapeDtypeStruct(*shapes[n]) for n in out_names],
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="qkv_epilogue",
+  )(*args)
+  return dict(zip(out_names, outs))
