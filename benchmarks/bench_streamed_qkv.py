@@ -113,7 +113,7 @@ def check_subsets(args, q, packed, x, w, kw, classes):
 
   from benchmarks.quality import cosine, rel_err
   from formats import packed_kv as fmt
-  from pallas_kernels.streamed_qkv import reference_rotated_qkv, streamed_qkv_reference
+  from pallas_kernels.projection import reference_rotated_qkv, streamed_qkv_reference
 
   nb = packed.meta.num_blocks
   n = max(1, min(args.check_rows // fmt.BLOCK, nb))
@@ -169,7 +169,7 @@ def run_tokens(args, tokens):
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.streamed_qkv import streamed_qkv
+  from pallas_kernels.projection import streamed_qkv
 
   args.tokens = tokens
   x, w, kw = make_inputs(args)
@@ -200,6 +200,8 @@ def run_tokens(args, tokens):
 
   base, _ = measure("cublas_gemm_bf16", lambda: gemm(x, w), {})
   for name, cfg in VARIANTS:
+    if args.variants and name not in args.variants.split(","):
+      continue
     fn = lambda cfg=cfg: streamed_qkv(x, w, **kw, block_classes=classes, **cfg)
     rec, out = measure(name, fn, {"config": cfg})
     if out is not None:
@@ -224,6 +226,7 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=1)
   ap.add_argument("--check-rows", type=int, default=1024)
+  ap.add_argument("--variants", default="", help="comma-separated VARIANTS names (default: all)")
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny interpret-mode run on a CPU")
   ap.add_argument("--out", default=None, help="default benchmarks/results/streamed_qkv_<card>_<date>.json")
   args = ap.parse_args(argv)

@@ -1,1 +1,20 @@
-"""Pallas kernels: streamed QKV projection and attention over packed low-bit K/V."""
+"""Pallas kernels: streamed QKV projection and attention over packed low-bit K/V.
+
+The public JAX API (each function's docstring gives shapes and dtypes):
+
+* ``streamed_qkv``: x @ W_qkv -> (Q bf16 rotated, ``formats.PackedKV``), never the full QKV.
+* ``packed_attention``: dense attention of Q over a PackedKV (streamed cuDNN or fused).
+* ``sol_attention``: Sol sparse attention over a PackedKV.
+* ``attention_layer``: projection + attention in one call, the output over Q.
+* ``required_bytes``: device memory an attention block needs, phase by phase.
+* ``segment_ids_from_cu_seqlens``; ``rope`` (RoPE tables for the projection).
+"""
+from pallas_kernels import rope
+from pallas_kernels.attention import packed_attention, packed_attention_reference, segment_ids_from_cu_seqlens
+from pallas_kernels.layer import attention_layer, required_bytes
+from pallas_kernels.sol import sol_attention, sol_attention_reference
+from pallas_kernels.projection import streamed_qkv, streamed_qkv_reference
+
+__all__ = ["attention_layer", "packed_attention", "packed_attention_reference", "required_bytes", "rope",
+           "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference", "streamed_qkv",
+           "streamed_qkv_reference"]

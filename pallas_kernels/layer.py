@@ -17,8 +17,8 @@ import numpy as np
 
 from formats import packed_kv as fmt
 from pallas_kernels import attention as dense
-from pallas_kernels import sol_attention as sol
-from pallas_kernels import streamed_qkv as sq
+from pallas_kernels import sol
+from pallas_kernels import projection as sq
 
 __all__ = ["ATTENTIONS", "SOL_OPTIONS", "attention_layer", "required_bytes"]
 

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.quality import dit_qkv, quality
 from formats import packed_kv as fmt
 from pallas_kernels import attention as dense
-from pallas_kernels import sol_attention as sol
+from pallas_kernels import sol as sol
 
 H = 2
 _quantize = jax.jit(fmt.quantize_reference, static_argnums=2)

@@ -17,7 +17,7 @@ import pytest
 from benchmarks.quality import cosine, rel_err
 from formats import packed_kv as fmt
 from pallas_kernels import rope
-from pallas_kernels.streamed_qkv import (chunk_rows, chunk_scratch_bytes, reference_rotated_qkv,
+from pallas_kernels.projection import (chunk_rows, chunk_scratch_bytes, reference_rotated_qkv,
                                          streamed_qkv, streamed_qkv_reference)
 
 
@@ -148,7 +148,7 @@ def test_programs_with_several_heads_or_blocks(tuning):
 def test_chunks_of_one_block_and_poisoned_buffers():
   """64-row chunks (the fori_loop runs), every class, ragged T; the chunked method
   writes into given buffers (NaN Q and stats, 0xFF codes) and leaves nothing of them."""
-  from pallas_kernels import streamed_qkv as sq
+  from pallas_kernels import projection as sq
   from pallas_kernels.projection_ops import epilogue_constants
   t = 330
   classes = fmt.resolve_block_classes(t, [(0, 60, "bf16"), (130, 200, "int8")])

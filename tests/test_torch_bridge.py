@@ -22,7 +22,7 @@ import torch_bridge as tb  # first: sets the allocator policy before JAX starts 
 import formats
 from benchmarks.quality import dit_grid, quality
 from pallas_kernels import attention as jattn
-from pallas_kernels import streamed_qkv as jqkv
+from pallas_kernels import projection as jqkv
 from pallas_kernels.rope import rope_3d_angles, rope_tables
 from torch_bridge import allocator, dlpack, ops
 
@@ -176,7 +176,7 @@ def test_required_bytes_matches_the_buffers_of_a_call(setup, mixed):
 
 def test_sol_attention_bridge_equals_jax_kernel_and_compiles(mixed):
   """Sol through the bridge (eager and torch.compile(fullgraph)) == Sol in JAX."""
-  from pallas_kernels import sol_attention as jsol
+  from pallas_kernels import sol as jsol
   key_bias = torch.ones(B, T, dtype=torch.bool)
   key_bias[:, 5:9] = False
   opts = dict(tau=0.5, sink_blocks=(0, 1), topk_ratio=0.0, tail=True)

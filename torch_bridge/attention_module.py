@@ -35,7 +35,7 @@ from torch import nn
 
 import formats
 from pallas_kernels.layer import required_bytes
-from pallas_kernels.streamed_qkv import DEFAULT_SCRATCH_BYTES
+from pallas_kernels.projection import DEFAULT_SCRATCH_BYTES
 
 
 class RMSNorm(nn.Module):

@@ -54,8 +54,8 @@ import formats
 from formats import ARRAY_NAMES, PackedKVMeta
 from pallas_kernels import attention as jattention
 from pallas_kernels import layer as jlayer
-from pallas_kernels import sol_attention as jsol
-from pallas_kernels import streamed_qkv as jqkv
+from pallas_kernels import sol as jsol
+from pallas_kernels import projection as jqkv
 from torch_bridge import allocator, dlpack
 from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
 
@@ -182,7 +182,7 @@ def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None
                  rotation_seed_v: int = 1, eps: float = 1e-5, method: str = "auto",
                  scratch_bytes: int = jqkv.DEFAULT_SCRATCH_BYTES,
                  interpret: bool | None = None) -> tuple[torch.Tensor, TorchPackedKV]:
-  """Torch front end of ``pallas_kernels.streamed_qkv.streamed_qkv``.
+  """Torch front end of ``pallas_kernels.streamed_qkv``.
 
   Same arguments, torch tensors in and out: returns Q (B, T, H, D) bf16 in the rotated
   basis and the packed K/V as a ``TorchPackedKV`` whose tensors are the kernel's own
@@ -371,7 +371,7 @@ def sol_attention(q: torch.Tensor, packed: TorchPackedKV, *, tau: float = 1.0,
                   topk_ratio: float = 0.0, tail: bool = True, block_len: torch.Tensor | None = None,
                   max_exact: int | None = None, keep_rotated: bool = False,
                   interpret: bool | None = None) -> torch.Tensor:
-  """Torch front end of ``pallas_kernels.sol_attention.sol_attention``.
+  """Torch front end of ``pallas_kernels.sol_attention``.
 
   Self-attention only (q has the packed K/V's T tokens). Parameters follow
   comfy-kitchen's ``sol_attn`` (see that module's docstring); ``key_bias`` is (T,),
