@@ -1,6 +1,6 @@
 """Quality of dense attention over packed K/V against float32 attention (CPU-runnable).
 
-DiT-like data (``benchmarks.quality.dit_qkv``) with a conditioning prefix. For every
+DiT-like data (``pallas_kernels.testing.dit_qkv``) with a conditioning prefix. For every
 K/V scheme pair and precision policy, the packed reference (format v1 dequantized,
 bf16 q) is compared with float32 attention on the unquantized q, k, v; the Pallas
 kernel (interpret mode) is run on a query subset to show it reproduces those numbers.
@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import formats as fmt  # noqa: E402
-from benchmarks.quality import dit_qkv, fake_quant, quality  # noqa: E402
+from pallas_kernels.testing import dit_qkv, fake_quant, quality  # noqa: E402
 from benchmarks.common import package_versions  # noqa: E402
 from pallas_kernels.attention import attention_f32, packed_attention, packed_attention_reference  # noqa: E402
 

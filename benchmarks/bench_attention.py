@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 import formats as fmt  # noqa: E402
 from benchmarks import common, h3_layer  # noqa: E402
-from benchmarks.quality import quality  # noqa: E402
+from pallas_kernels.testing import quality  # noqa: E402
 from pallas_kernels.attention import packed_attention  # noqa: E402
 
 STREAMED = (("streamed_128mib", 128 << 20), ("streamed_512mib", 512 << 20), ("streamed_2gib", 2 << 30))

@@ -4,7 +4,7 @@ packed path and cuDNN BF16 in the same run.
   python -m benchmarks.bench_sol                    # H200: B=1, H=56, D=128, T=152,263
   python -m benchmarks.bench_sol --cpu-smoke        # CPU, tiny, interpret mode (< 1 min)
 
-Data is DiT-like (a jnp port of ``benchmarks.quality.dit_qkv``'s structure, generated on
+Data is DiT-like (a jnp port of ``pallas_kernels.testing.dit_qkv``'s structure, generated on
 the device: smooth fields over the (t, h, w) grid behind a conditioning prefix, QK
 RMSNorm with outlier channels, per-channel key offsets, V outliers, 3D partial RoPE):
 random data would make routing meaningless. K/V are packed by
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.quality import dit_grid, quality
+from pallas_kernels.testing import dit_grid, quality
 from benchmarks.common import package_versions  # noqa: E402
 from formats import packed_kv as fmt
 from pallas_kernels import rope as rope_lib

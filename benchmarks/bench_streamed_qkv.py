@@ -34,7 +34,7 @@ def make_inputs(args):
   import jax.numpy as jnp
   import numpy as np
 
-  from benchmarks.quality import dit_grid
+  from pallas_kernels.testing import dit_grid
   from pallas_kernels import rope
 
   b, t, hidden, h, d = args.batch, args.tokens, args.hidden, args.heads, args.head_dim
@@ -111,7 +111,7 @@ def check_subsets(args, q, packed, x, w, kw, classes):
   import jax
   import numpy as np
 
-  from benchmarks.quality import cosine, rel_err
+  from pallas_kernels.testing import cosine, rel_err
   from formats import packed_kv as fmt
   from pallas_kernels.projection import reference_rotated_qkv, streamed_qkv_reference
 

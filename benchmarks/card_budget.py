@@ -62,7 +62,7 @@ def child(cfg: dict) -> dict:
   import torch
 
   import torch_bridge as tb
-  from benchmarks.quality import dit_grid
+  from pallas_kernels.testing import dit_grid
   from pallas_kernels import rope
 
   gib, t = common.GIB, cfg["tokens"]

@@ -83,7 +83,7 @@ def _child(args):
 def _quality(args):
   import jax
   from benchmarks import h3_layer
-  from benchmarks.quality import quality
+  from pallas_kernels.testing import quality
 
   shape = _shape(args)
   inp = h3_layer.make_inputs(shape)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.quality import dit_grid
+from pallas_kernels.testing import dit_grid
 from formats import packed_kv as fmt
 from pallas_kernels import rope as rope_lib
 

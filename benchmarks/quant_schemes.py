@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.quality import dit_qkv, quality
+from pallas_kernels.testing import dit_qkv, quality
 from formats import packed_kv as fmt
 
 

@@ -199,6 +199,15 @@ class PackedKVMeta:
     cid = CLASS_ID[cls]
     return tuple(b for b, c in enumerate(self.block_classes) if c == cid)
 
+  def block_slots(self) -> np.ndarray:
+    """(NB,) int32: each block's slot inside the store of its class (the inverse of
+    ``slots``); with ``block_classes`` it locates every block's data."""
+    out = np.zeros((self.num_blocks,), np.int32)
+    for cls in CLASSES:
+      for slot, blk in enumerate(self.slots(cls)):
+        out[blk] = slot
+    return out
+
   def to_dict(self) -> dict:
     return dataclasses.asdict(self) | {"block_classes": list(self.block_classes)}
 

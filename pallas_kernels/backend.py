@@ -32,9 +32,17 @@ class NamedInputs:
     self.names, self.args, self.specs = [], [], []
 
   def add(self, name, x, block, index_map):
+    self.add_spec(name, x, pl.BlockSpec(block, index_map))
+
+  def add_spec(self, name, x, spec):
     self.names.append(name)
     self.args.append(x)
-    self.specs.append(pl.BlockSpec(block, index_map))
+    self.specs.append(spec)
+
+  def add_whole(self, name, x):
+    """``x`` as one block, the same for every program (tables, constants, and arrays
+    the kernel addresses itself)."""
+    self.add_spec(name, x, pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim))
 
   def ref_names(self, *outputs) -> tuple:
     return (*self.names, *outputs)

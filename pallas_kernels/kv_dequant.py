@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import INT4_OFFSET, int4_halves, int8_to_bf16, unrotate_halves
+from pallas_kernels.backend import INT4_OFFSET, NamedInputs, int4_halves, int8_to_bf16, unrotate_halves
 
 BLOCK = fmt.BLOCK
 
@@ -106,15 +106,6 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v):
         plgpu.store(out.at[out_rows, hi_c], hi.astype(jnp.bfloat16), mask=m)
 
 
-def block_tables(meta: fmt.PackedKVMeta):
-  """(class id, slot) of every global block, as two (NB,) int32 arrays."""
-  slot_of = [0] * meta.num_blocks
-  for cls in fmt.CLASSES:
-    for s, blk in enumerate(meta.slots(cls)):
-      slot_of[blk] = s
-  return jnp.asarray(meta.block_classes, jnp.int32), jnp.asarray(slot_of, jnp.int32)
-
-
 def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: bool, interpret: bool,
                      num_warps: int = 4):
   """(K, V) of heads ``[head0, head0 + heads)``: (B, T, heads, D) bf16 each.
@@ -124,17 +115,10 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
   meta = packed.meta
   b, t, d = meta.batch, meta.num_tokens, meta.head_dim
   present = tuple(c for c in fmt.CLASSES if meta.slots(c))
-  names, args, specs = [], [], []
-
-  def add(name, x, spec):
-    names.append(name)
-    args.append(x)
-    specs.append(spec)
-
-  whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-  add("head0", jnp.reshape(jnp.asarray(head0, jnp.int32), (1,)), pl.BlockSpec((1,), lambda *_: (0,)))
-  for name, x in zip(("classes", "slots"), block_tables(meta)):
-    add(name, x, whole(x))
+  inputs = NamedInputs()
+  inputs.add_whole("head0", jnp.reshape(jnp.asarray(head0, jnp.int32), (1,)))
+  inputs.add_whole("classes", jnp.asarray(meta.block_classes, jnp.int32))
+  inputs.add_whole("slots", jnp.asarray(meta.block_slots()))
   per_batch = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda j, blk, bi: (bi,) + (0,) * (x.ndim - 1))
   for cls in present:
     for role in ("k", "v"):
@@ -144,20 +128,19 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
         sfx = "4" if cls == "int4" else "8"
         names_cls = [f"{role}_codes{sfx}", f"{role}_scale{sfx}", f"{role}_zero{sfx}"]
       for name in names_cls:
-        add(name, packed.arrays[name], per_batch(packed.arrays[name]))
+        inputs.add_spec(name, packed.arrays[name], per_batch(packed.arrays[name]))
   if unrotate_v:
-    ht = jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16)
-    add("ht", ht, whole(ht))
+    inputs.add_whole("ht", jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16))
   out_spec = pl.BlockSpec((None, t, None, d), lambda j, blk, bi: (bi, 0, j, 0))
   shape = jax.ShapeDtypeStruct((b, t, heads, d), jnp.bfloat16)
   return pl.pallas_call(
-      functools.partial(_kernel, names=tuple(names) + ("k_out", "v_out"), meta=meta, present=present,
+      functools.partial(_kernel, names=inputs.ref_names("k_out", "v_out"), meta=meta, present=present,
                         unrotate_v=unrotate_v),
       grid=(heads, meta.num_blocks, b),
-      in_specs=specs,
+      in_specs=inputs.specs,
       out_specs=[out_spec, out_spec],
       out_shape=[shape, shape],
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="kv_dequant",
-  )(*args)
+  )(*inputs.args)

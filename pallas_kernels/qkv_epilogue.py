@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels import rope
+from pallas_kernels.backend import NamedInputs
 from pallas_kernels.projection_ops import (EpilogueConstants, add_bias, block_stats, class_array_names,
                                            norm_rope, rotate, store_class)
 
@@ -225,50 +226,36 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   if rows % BLOCK or width != 3 * h * d:
     raise ValueError(f"y must be (rows, 3HD) with rows a multiple of {BLOCK}, got {y.shape}")
   shapes = _buffer_shapes(meta)
-  classes = jnp.asarray(meta.block_classes, jnp.int32)
-  slot_of = [0] * meta.num_blocks
-  for cls in fmt.CLASSES:
-    for s, blk in enumerate(meta.slots(cls)):
-      slot_of[blk] = s
   cfg = _Config(t=meta.num_tokens, heads=h, head_dim=d, eps=float(eps), k_scheme=meta.k_scheme,
                 v_scheme=meta.v_scheme, quadrants=consts.quadrants,
                 present=tuple(c for c in fmt.CLASSES if meta.slots(c)), has_bias=bias is not None)
 
-  names, args, in_specs = [], [], []
-
-  def add(name, x, spec):
-    names.append(name)
-    args.append(x)
-    in_specs.append(spec)
-
-  whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-  pos = jnp.stack([jnp.asarray(v, jnp.int32) for v in (row0, shift, batch_index)])
-  add("pos", pos, whole(pos))
-  add("classes", classes, whole(classes))
-  slots = jnp.asarray(slot_of, jnp.int32)
-  add("slots", slots, whole(slots))
-  add("y", y, whole(y))
+  inputs = NamedInputs()
+  inputs.add_whole("pos", jnp.stack([jnp.asarray(v, jnp.int32) for v in (row0, shift, batch_index)]))
+  inputs.add_whole("classes", jnp.asarray(meta.block_classes, jnp.int32))
+  inputs.add_whole("slots", jnp.asarray(meta.block_slots()))
+  inputs.add_whole("y", y)
   if bias is not None:
     for i, role in enumerate("qkv"):
-      add("bias_" + role, bias, pl.BlockSpec((d,), lambda hh, j, i=i: (i * h + hh,)))
+      inputs.add("bias_" + role, bias, (d,), lambda hh, j, i=i: (i * h + hh,))
   for name, x in (("q_norm", consts.q_norm), ("k_norm", consts.k_norm), ("cos", cos), ("sin", sin),
                   ("p_mat", consts.p_mat), ("h_half", consts.h_half), ("signs_k", consts.signs_k),
                   ("signs_v", consts.signs_v)):
-    add(name, x, whole(x))
+    inputs.add_whole(name, x)
   out_names = buffer_names(meta)
   aliases = {}
   for k, name in enumerate(out_names):
-    aliases[len(args)] = k
-    add(name + "_in", buffers[name], _head_spec(name, shapes[name][0]))
+    aliases[len(inputs.args)] = k
+    inputs.add_spec(name + "_in", buffers[name], _head_spec(name, shapes[name][0]))
   outs = pl.pallas_call(
-      functools.partial(_kernel, names=tuple(names) + tuple(n + "_out" for n in out_names), cfg=cfg),
+      functools.partial(_kernel, names=inputs.ref_names(*(n + "_out" for n in out_names)), cfg=cfg),
       grid=(h, rows // BLOCK),
-      in_specs=in_specs,
+      in_specs=inputs.specs,
       out_specs=[_head_spec(n, shapes[n][0]) for n in out_names],
       out_shape=[jax.ShapeDtypeStruct(*shapes[n]) for n in out_names],
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="qkv_epilogue",
-  )(*args)
+  )(*inputs.args)
   return dict(zip(out_names, outs))

@@ -697,12 +697,9 @@ def _kernel(*refs, names, cfg: _KConfig):
 
 def _block_table(meta) -> np.ndarray:
   """(NB,) int32 ``slot * 4 + branch``; branches are the present classes in order."""
-  present = [c for c in fmt.CLASSES if meta.slots(c)]
-  table = np.zeros((meta.num_blocks,), np.int32)
-  for br, cls in enumerate(present):
-    for slot, blk in enumerate(meta.slots(cls)):
-      table[blk] = slot * 4 + br
-  return table
+  present = [fmt.CLASS_ID[c] for c in fmt.CLASSES if meta.slots(c)]
+  branch = np.asarray([present.index(c) for c in meta.block_classes], np.int32)
+  return meta.block_slots() * 4 + branch
 
 
 def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, *, keep_rotated, interpret,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import formats as fmt
-from benchmarks.quality import cosine, dit_qkv, rel_err
+from pallas_kernels.testing import cosine, dit_qkv, rel_err
 from pallas_kernels.attention import (attention_f32, packed_attention, packed_attention_reference,
                                       segment_ids_from_cu_seqlens)
 from pallas_kernels.attention_fused import fused_attention, slot_ranges

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.quality import dit_qkv, quality
+from pallas_kernels.testing import dit_qkv, quality
 from formats import packed_kv as fmt
 from pallas_kernels import attention as dense
 from pallas_kernels import sol as sol

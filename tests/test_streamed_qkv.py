@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.quality import cosine, rel_err
+from pallas_kernels.testing import cosine, rel_err
 from formats import packed_kv as fmt
 from pallas_kernels import rope
 from pallas_kernels.projection import (chunk_rows, chunk_scratch_bytes, reference_rotated_qkv,

@@ -20,7 +20,7 @@ import torch
 
 import torch_bridge as tb  # first: sets the allocator policy before JAX starts a GPU
 import formats
-from benchmarks.quality import dit_grid, quality
+from pallas_kernels.testing import dit_grid, quality
 from pallas_kernels import attention as jattn
 from pallas_kernels import projection as jqkv
 from pallas_kernels.rope import rope_3d_angles, rope_tables

@@ -1,4 +1,5 @@
-"""Quality metrics and DiT-like synthetic data, shared by tests and benchmarks.
+"""Quality metrics and DiT-like synthetic data, shared by tests and benchmarks (and by
+users who want to check a format choice on data with a video DiT's structure).
 
 Random Gaussian Q/K/V make attention nearly uniform and routing meaningless, so
 quality is measured on data with the structure of a video DiT: tokens on a 3D
