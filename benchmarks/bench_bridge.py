@@ -105,8 +105,9 @@ def bench_shape(shape, device, interpret, warmup, iters) -> dict:
   cos, sin = torch.tensor(cos, device=device), torch.tensor(sin, device=device)
   classes = [0] * (-(-t // formats.BLOCK))
 
-  qkv_args = (x, w, None, qn, kn, cos, sin, rot, h, d, classes, "channel", "token", 0, 1, 1e-5,
-              interpret)
+  scratch = jax_qkv.DEFAULT_SCRATCH_BYTES
+  qkv_args = (x, w, None, qn, kn, cos, sin, rot, h, d, classes, "channel", "token", 0, 1, 1e-5, "auto",
+              scratch, interpret)
   jx, jw = dlpack.to_jax(x, "x"), dlpack.to_jax(w, "w")
   jkw = dict(q_norm_weight=dlpack.to_jax(qn, "qn"), k_norm_weight=dlpack.to_jax(kn, "kn"),
              rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), rot_dim=rot,
@@ -121,7 +122,8 @@ def bench_shape(shape, device, interpret, warmup, iters) -> dict:
   meta = formats.PackedKVMeta(b, h, d, t, tuple(classes))
   jq = dlpack.to_jax(q, "q")
   jpacked = formats.PackedKV(meta, {n: dlpack.to_jax(a, n) for n, a in zip(formats.ARRAY_NAMES, packed)})
-  attn_args = (q, packed, t, classes, "channel", "token", 0, 1, None, None, None, None, False, interpret)
+  attn_args = (q, packed, t, classes, "channel", "token", 0, 1, None, None, None, None, None, False, "auto",
+               scratch, interpret)
   out["packed_attention"] = _compare(
       lambda: jax_attn.packed_attention(jq, jpacked, interpret=interpret),
       lambda: torch.ops.packed_kv.packed_attention(*attn_args), device, warmup, iters)

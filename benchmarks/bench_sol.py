@@ -184,7 +184,7 @@ def main(argv=None):
 
   # Imported after the platform choice so nothing touches a GPU in smoke mode.
   from pallas_kernels import attention as dense
-  from pallas_kernels import sol as sol
+  from pallas_kernels import sol
 
   t, h, d = args.tokens, args.heads, args.head_dim
   prefix = t // 10 if args.prefix_tokens is None else args.prefix_tokens

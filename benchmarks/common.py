@@ -101,7 +101,11 @@ class LowWater:
 
 def run_record(argv=None) -> dict:
   """The command, date and versions every results file carries."""
-  argv = sys.argv if argv is None else argv
+  argv = list(sys.argv if argv is None else argv)
+  if argv and argv[0].endswith(".py"):  # run as ``python3 -m benchmarks.x``: say so
+    rel = os.path.relpath(os.path.abspath(argv[0]), ROOT)
+    if not rel.startswith(".."):
+      argv = ["python3", "-m", rel[:-3].replace(os.sep, ".")] + argv[1:]
   return {"command": " ".join(shlex.quote(a) for a in argv), "date": datetime.date.today().isoformat(),
           "versions": package_versions()}
 

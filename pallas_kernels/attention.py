@@ -160,8 +160,6 @@ def packed_attention_reference(q, packed, *, sm_scale=None, q_segment_ids=None, 
   return jnp.einsum("bqhd,ed->bqhe", o, r_v, precision=lax.Precision.HIGHEST)
 
 
-
-
 # --------------------------------------------------------------------------------------
 # The streamed method
 # --------------------------------------------------------------------------------------
@@ -227,10 +225,8 @@ def resolve_method(method, q, packed, *, masked: bool, interpret: bool, scratch_
     if reason is not None:
       raise NotImplementedError(f"method='streamed' cannot run: {reason}; use method='fused'")
     return "streamed", plan
-  if reason is None and not interpret:
-    reason = cudnn_unsupported_reason()
-  if reason is None and interpret:
-    reason = "interpret mode"
+  if reason is None:
+    reason = "interpret mode runs the fused kernel" if interpret else cudnn_unsupported_reason()
   return ("fused", None) if reason is not None else ("streamed", plan)
 
 

@@ -137,8 +137,8 @@ def chunk_rows(num_tokens: int, hidden: int, width: int, scratch_bytes: int) -> 
   """Rows per chunk of the chunked method (a multiple of 64; 0 when no 64-row chunk
   fits ``scratch_bytes``). A chunk holds the f32 GEMM output (``width`` = 3HD columns),
   the bf16 slice of x and the GEMM workspace. Chunks are balanced: T is cut into the
-  fewest chunks that fit, of equal size, so the last one repeats less than a block per
-  chunk."""
+  fewest chunks that fit, of equal size, so the last one repeats fewer blocks than
+  there are chunks."""
   per_row = width * 4 + hidden * 2
   max_blocks = max(0, int(scratch_bytes) - GEMM_WORKSPACE_BYTES) // per_row // BLOCK
   if max_blocks == 0:
@@ -163,7 +163,8 @@ def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, nu
   ``shift`` rows before ``a`` when T is not a multiple of 64, and the epilogue reads
   ``y`` from that offset. A sequence shorter than one chunk is zero-padded instead.
   ``init``: the buffers to write (tests poison them); by default they are created
-  uninitialized, every element being written by exactly one chunk.
+  uninitialized, since the chunks write every element (the repeated blocks twice, with
+  the same values: a row's GEMM result does not depend on its neighbours).
   """
   b, t, hidden = x.shape
   nb = meta.num_blocks
