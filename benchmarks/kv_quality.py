@@ -1,0 +1,302 @@
+"""K/V format quality on real activations and on DiT-like synthetic data (CPU).
+
+  python -m benchmarks.kv_quality                      # real (SmolLM2, T = 2048 and 4096) + synthetic
+  python -m benchmarks.kv_quality --sample             # CI: the committed real sample only
+
+Real: post-RoPE q, k, v of six layers of SmolLM2-135M on real English text
+(``benchmarks/real_activations.py``; needs the ``quality`` extra). Synthetic: the
+DiT-like q, k, v of ``pallas_kernels.testing.dit_qkv`` (H3-like head dim 128).
+
+For every row, K and V go through a quantizer (in the rotated basis, as the format
+stores them) and back, and non-causal float32 attention with the quantized K/V is
+compared with attention on the original values: cos and rel L1 per layer (all heads,
+all query rows), then the median and the worst layer; and the worst single head.
+
+Rows:
+* the format v1 policies (through ``formats.quantize_reference``): all int4, an int8
+  prefix of 256 tokens, int4 K with int8 V, int8 K with int4 V, all int8, K per token;
+* levers for a version 2, each alone and combined (fake quantization in numpy, same
+  rounding as the format): 16-bit scales and stats, a Lloyd-Max 4-bit codebook fitted
+  to the normalized group values, MSE-optimal clipping of each group's range, finer
+  K groups, K smoothed by its per-channel mean (exact under softmax).
+
+``bits`` is K and V together per value at H3's head dim 128: codes, every scale and
+zero, and the per-block stats (Sol's K mean and V sum). Writes
+``benchmarks/results/kv_quality_<date>.json`` (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import formats as fmt  # noqa: E402
+from benchmarks import common  # noqa: E402
+
+SAMPLE = os.path.join(ROOT, "benchmarks", "data", "smollm2_qkv_sample.npz")
+REAL_LAYERS = (2, 7, 12, 17, 22, 27)
+H3_HEAD_DIM = 128
+
+
+# --------------------------------------------------------------------------------------
+# Attention and metrics
+# --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _attend_fn(scale):
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def attend(q, k, v):  # q (R, Hq, D), k/v (T, Hk, D): grouped heads, non-causal
+    rep = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, rep, 1), jnp.repeat(v, rep, 1)
+    s = jnp.einsum("qhd,khd->hqk", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v, precision=jax.lax.Precision.HIGHEST)
+  return attend
+
+
+def attention(q, k, v, chunk=512):
+  f = _attend_fn(float(q.shape[-1]) ** -0.5)
+  return np.concatenate([np.asarray(f(q[i:i + chunk], k, v)) for i in range(0, len(q), chunk)], 0)
+
+
+def metrics(out, ref) -> dict:
+  o, r = out.astype(np.float64), ref.astype(np.float64)
+  cos = float((o * r).sum() / np.sqrt((o * o).sum() * (r * r).sum()))
+  per_head = [float((o[:, h] * r[:, h]).sum() / np.sqrt((o[:, h] ** 2).sum() * (r[:, h] ** 2).sum()))
+              for h in range(o.shape[1])]
+  return {"cos": cos, "rel_l1": float(np.abs(o - r).sum() / np.abs(r).sum()), "worst_head_cos": min(per_head)}
+
+
+# --------------------------------------------------------------------------------------
+# Quantizers
+# --------------------------------------------------------------------------------------
+def rotations(d, seed_k=0, seed_v=1):
+  return fmt.hadamard_rotation(d, seed_k), fmt.hadamard_rotation(d, seed_v)
+
+
+def v1_roundtrip(k, v, *, k_class="int4", v_class="int4", prefix=0, k_scheme="channel"):
+  """Format v1 through its own reference: (T, H, D) f32 in -> dequantized, un-rotated."""
+  t, h, d = k.shape
+  r_k, r_v = rotations(d)
+  out = []
+  for x, r, cls, role in ((k, r_k, k_class, "k"), (v, r_v, v_class, "v")):
+    ranges = [(0, t, cls)] + ([(0, min(prefix, t), "int8")] if prefix else [])
+    classes = fmt.resolve_block_classes(t, ranges)
+    meta = fmt.PackedKVMeta(1, h, d, t, classes, k_scheme=k_scheme)
+    xr = (x @ r)[None]
+    packed = fmt.quantize_reference(xr, xr, meta)
+    kd, vd = fmt.dequantize_reference(packed)
+    out.append(np.asarray(kd if role == "k" else vd)[0] @ r.T)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+  """One fake-quantized 4-bit format: K in groups of ``k_tokens`` tokens x 1 channel,
+  V in groups of 1 token x ``v_channels`` channels, asymmetric."""
+  k_tokens: int = 64
+  v_channels: int = 128          # at most D: the whole head vector at D = 64
+  param_bits: int = 32           # scale and zero
+  stat_bits: int = 32            # K mean and V sum per 64-token block
+  codebook: bool = False         # Lloyd-Max levels instead of uniform ones
+  mse_clip: bool = False
+  k_smooth: bool = False         # subtract K's per-channel mean over the sequence first
+
+  def bits(self, d=H3_HEAD_DIM) -> float:
+    k = 4 + 2 * self.param_bits / self.k_tokens + self.stat_bits / 64
+    v = 4 + 2 * self.param_bits / min(self.v_channels, d) + self.stat_bits / 64
+    return (k + v) / 2
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max(group: int, levels: int = 16, iters: int = 60) -> np.ndarray:
+  """Lloyd-Max levels on [0, 1] for min-max normalized groups of ``group`` Gaussian
+  values (what a Hadamard-rotated vector looks like), endpoints kept at 0 and 1 (every
+  group's min and max stay exact)."""
+  rng = np.random.default_rng(0)
+  g = rng.normal(size=(20000 // max(group // 16, 1) + 64, group))
+  u = (g - g.min(1, keepdims=True)) / (g.max(1, keepdims=True) - g.min(1, keepdims=True))
+  u = np.sort(u.ravel())
+  c = np.linspace(0, 1, levels)
+  for _ in range(iters):
+    edges = (c[1:] + c[:-1]) / 2
+    idx = np.searchsorted(edges, u)
+    sums = np.bincount(idx, u, levels)
+    counts = np.bincount(idx, minlength=levels)
+    c = np.where(counts > 0, sums / np.maximum(counts, 1), c)
+    c[0], c[-1] = 0.0, 1.0
+  return c
+
+
+def _quantize_groups(g, lever: Lever, group_size: int):
+  """g (..., n) groups of n values -> dequantized, by the lever's rules."""
+  lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+  if lever.mse_clip:
+    best, best_err = None, None
+    mid = (lo + hi) / 2
+    for shrink in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7):
+      l2, h2 = mid - (mid - lo) * shrink, mid + (hi - mid) * shrink
+      out = _levels(g, l2, h2, lever, group_size)
+      err = ((out - g) ** 2).sum(-1, keepdims=True)
+      if best is None:
+        best, best_err = out, err
+      else:
+        take = err < best_err
+        best, best_err = np.where(take, out, best), np.where(take, err, best_err)
+    return best
+  return _levels(g, lo, hi, lever, group_size)
+
+
+def _levels(g, lo, hi, lever, group_size):
+  span = hi - lo
+  scale = np.where(span > 0, span, 1.0)
+  zero = lo
+  if lever.param_bits == 16:
+    scale, zero = scale.astype(np.float16).astype(np.float32), zero.astype(np.float16).astype(np.float32)
+  u = np.clip((g - zero) / scale, 0.0, 1.0)
+  if lever.codebook:
+    c = lloyd_max(group_size)
+    idx = np.abs(u[..., None] - c).argmin(-1)
+    return c[idx] * scale + zero
+  return np.floor(u * 15 + 0.5) / 15 * scale + zero
+
+
+def lever_roundtrip(k, v, lever: Lever):
+  t, h, d = k.shape
+  r_k, r_v = rotations(d)
+  kr = k @ r_k
+  if lever.k_smooth:
+    kr = kr - kr.mean(0, keepdims=True)   # exact: shifts every logit of a query by one constant
+  nb = -(-t // lever.k_tokens)
+  pad = nb * lever.k_tokens - t
+  kp = np.pad(kr, ((0, pad), (0, 0), (0, 0)), mode="edge")
+  kg = kp.reshape(nb, lever.k_tokens, h, d).transpose(0, 2, 3, 1)           # groups over tokens
+  kq = _quantize_groups(kg, lever, lever.k_tokens).transpose(0, 3, 1, 2).reshape(-1, h, d)[:t]
+  vc = min(lever.v_channels, d)
+  vg = (v @ r_v).reshape(t, h, d // vc, vc)
+  vq = _quantize_groups(vg, lever, vc).reshape(t, h, d)
+  return kq @ r_k.T, vq @ r_v.T
+
+
+V1_POLICIES = {
+    "all int4": dict(),
+    "int8 first 256 tokens": dict(prefix=256),
+    "int4 K, int8 V": dict(v_class="int8"),
+    "int8 K, int4 V": dict(k_class="int8"),
+    "all int8": dict(k_class="int8", v_class="int8"),
+    "K per token, all int4": dict(k_scheme="token"),
+}
+
+LEVERS = {
+    "v1 (fake quant, check)": Lever(),
+    "16-bit scales, zeros, stats": Lever(param_bits=16, stat_bits=16),
+    "Lloyd-Max codebook": Lever(codebook=True),
+    "MSE-optimal clipping": Lever(mse_clip=True),
+    "K groups of 32 tokens": Lever(k_tokens=32),
+    "K smoothed by its channel mean": Lever(k_smooth=True),
+    "codebook + clipping": Lever(codebook=True, mse_clip=True),
+    "16-bit + codebook + clipping": Lever(param_bits=16, stat_bits=16, codebook=True, mse_clip=True),
+    "16-bit + K 32 + codebook + clipping": Lever(param_bits=16, stat_bits=16, k_tokens=32, codebook=True,
+                                                 mse_clip=True),
+    "16-bit + K 32 + V 64 + codebook + clipping": Lever(param_bits=16, stat_bits=16, k_tokens=32, v_channels=64,
+                                                        codebook=True, mse_clip=True),
+}
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+def evaluate(layers: dict, rows: dict) -> list:
+  """layers: {name: (q, k, v)}; rows: {row name: fn(k, v) -> (kd, vd)}. One record per
+  row with per-layer metrics, median and worst."""
+  refs = {name: attention(*qkv) for name, qkv in layers.items()}
+  out = []
+  for row, fn in rows.items():
+    per = {}
+    for name, (q, k, v) in layers.items():
+      kd, vd = fn(k, v)
+      per[name] = metrics(attention(q, kd.astype(np.float32), vd.astype(np.float32)), refs[name])
+    cos = [m["cos"] for m in per.values()]
+    rec = {"row": row, "layers": per, "median_cos": float(np.median(cos)), "worst_cos": float(min(cos)),
+           "median_rel_l1": float(np.median([m["rel_l1"] for m in per.values()])),
+           "worst_head_cos": float(min(m["worst_head_cos"] for m in per.values()))}
+    out.append(rec)
+    print(f"  {row:45s} median cos {rec['median_cos']:.5f}  worst {rec['worst_cos']:.5f}  "
+          f"rel L1 {rec['median_rel_l1']:.4f}  worst head {rec['worst_head_cos']:.4f}", flush=True)
+  return out
+
+
+def all_rows():
+  rows = {f"v1: {name}": functools.partial(lambda k, v, kw: v1_roundtrip(k, v, **kw), kw=kw)
+          for name, kw in V1_POLICIES.items()}
+  rows.update({f"lever: {name}": functools.partial(lambda k, v, lev: lever_roundtrip(k, v, lev), lev=lev)
+               for name, lev in LEVERS.items()})
+  return rows
+
+
+def real_layers(tokens, layers, sample: bool):
+  if sample:
+    z = np.load(SAMPLE)
+    names = sorted({k[1:] for k in z.files})
+    return {f"L{n}": (z["q" + n].astype(np.float32), z["k" + n].astype(np.float32), z["v" + n].astype(np.float32))
+            for n in names}, {"source": os.path.relpath(SAMPLE, ROOT)}
+  from benchmarks import real_activations
+  acts, info = real_activations.capture(tokens, layers)
+  return {f"L{l}": a for l, a in acts.items()}, info
+
+
+def synthetic_layers(tokens, seeds, heads=4):
+  from pallas_kernels.testing import dit_qkv
+  out = {}
+  for s in seeds:
+    q, k, v, _, _ = dit_qkv(tokens, heads, H3_HEAD_DIM, prefix_tokens=tokens // 10, seed=s)
+    out[f"seed{s}"] = (q[0], k[0], v[0])
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--tokens", default="2048,4096", help="real-activation lengths")
+  ap.add_argument("--synthetic-tokens", type=int, default=4096)
+  ap.add_argument("--seeds", default="0,1,2")
+  ap.add_argument("--sample", action="store_true", help="only the committed real sample (CI)")
+  ap.add_argument("--save-sample", action="store_true", help="write the CI sample from the T=2048 capture")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  rows = all_rows()
+  bits = {f"lever: {n}": lev.bits() for n, lev in LEVERS.items()}
+  results = {"bits_per_value_d128": bits | {"format v1": Lever().bits()}}
+  if args.sample:
+    layers, info = real_layers(0, (), True)
+    print(f"real sample ({info['source']})", flush=True)
+    results["real_sample"] = {"info": info, "rows": evaluate(layers, rows)}
+  else:
+    for t in (int(x) for x in args.tokens.split(",")):
+      layers, info = real_layers(t, REAL_LAYERS, False)
+      print(f"real activations, T = {t}: {info}", flush=True)
+      if args.save_sample and t == 2048:
+        os.makedirs(os.path.dirname(SAMPLE), exist_ok=True)
+        keep = {f"{r}{n[1:]}": a[:1024].astype(np.float16) for n, qkv in layers.items() if n in ("L7", "L22")
+                for r, a in zip("qkv", qkv)}
+        np.savez_compressed(SAMPLE, **keep)
+      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows)}
+    t = args.synthetic_tokens
+    print(f"DiT-like synthetic, T = {t}", flush=True)
+    results[f"synthetic_{t}"] = {"rows": evaluate(synthetic_layers(t, [int(s) for s in args.seeds.split(",")]),
+                                                  rows)}
+  out = args.out or os.path.join(common.RESULTS, f"kv_quality_{'sample_' if args.sample else ''}"
+                                                 f"{__import__('datetime').date.today().isoformat()}.json")
+  common.write_json(out, common.run_record() | results)
+
+
+if __name__ == "__main__":
+  main()
