@@ -110,10 +110,14 @@ class Lever:
   codebook: bool = False         # Lloyd-Max levels instead of uniform ones
   mse_clip: bool = False
   k_smooth: bool = False         # subtract K's per-channel mean over the sequence first
+  k_bits: int | None = 4         # code bits; None keeps that side exact (where the error sits)
+  v_bits: int | None = 4
 
-  def bits(self, d=H3_HEAD_DIM) -> float:
-    k = 4 + 2 * self.param_bits / self.k_tokens + self.stat_bits / 64
-    v = 4 + 2 * self.param_bits / min(self.v_channels, d) + self.stat_bits / 64
+  def bits(self, d=H3_HEAD_DIM) -> float | None:
+    if self.k_bits is None or self.v_bits is None:
+      return None
+    k = self.k_bits + 2 * self.param_bits / self.k_tokens + self.stat_bits / 64
+    v = self.v_bits + 2 * self.param_bits / min(self.v_channels, d) + self.stat_bits / 64
     return (k + v) / 2
 
 
@@ -137,7 +141,7 @@ def lloyd_max(group: int, levels: int = 16, iters: int = 60) -> np.ndarray:
   return c
 
 
-def _quantize_groups(g, lever: Lever, group_size: int):
+def _quantize_groups(g, lever: Lever, group_size: int, bits: int):
   """g (..., n) groups of n values -> dequantized, by the lever's rules."""
   lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
   if lever.mse_clip:
@@ -145,7 +149,7 @@ def _quantize_groups(g, lever: Lever, group_size: int):
     mid = (lo + hi) / 2
     for shrink in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7):
       l2, h2 = mid - (mid - lo) * shrink, mid + (hi - mid) * shrink
-      out = _levels(g, l2, h2, lever, group_size)
+      out = _levels(g, l2, h2, lever, group_size, bits)
       err = ((out - g) ** 2).sum(-1, keepdims=True)
       if best is None:
         best, best_err = out, err
@@ -153,10 +157,10 @@ def _quantize_groups(g, lever: Lever, group_size: int):
         take = err < best_err
         best, best_err = np.where(take, out, best), np.where(take, err, best_err)
     return best
-  return _levels(g, lo, hi, lever, group_size)
+  return _levels(g, lo, hi, lever, group_size, bits)
 
 
-def _levels(g, lo, hi, lever, group_size):
+def _levels(g, lo, hi, lever, group_size, bits):
   span = hi - lo
   scale = np.where(span > 0, span, 1.0)
   zero = lo
@@ -164,10 +168,11 @@ def _levels(g, lo, hi, lever, group_size):
     scale, zero = scale.astype(np.float16).astype(np.float32), zero.astype(np.float16).astype(np.float32)
   u = np.clip((g - zero) / scale, 0.0, 1.0)
   if lever.codebook:
-    c = lloyd_max(group_size)
+    c = lloyd_max(group_size, 2 ** bits)
     idx = np.abs(u[..., None] - c).argmin(-1)
     return c[idx] * scale + zero
-  return np.floor(u * 15 + 0.5) / 15 * scale + zero
+  top = 2 ** bits - 1
+  return np.floor(u * top + 0.5) / top * scale + zero
 
 
 def lever_roundtrip(k, v, lever: Lever):
@@ -180,10 +185,12 @@ def lever_roundtrip(k, v, lever: Lever):
   pad = nb * lever.k_tokens - t
   kp = np.pad(kr, ((0, pad), (0, 0), (0, 0)), mode="edge")
   kg = kp.reshape(nb, lever.k_tokens, h, d).transpose(0, 2, 3, 1)           # groups over tokens
-  kq = _quantize_groups(kg, lever, lever.k_tokens).transpose(0, 3, 1, 2).reshape(-1, h, d)[:t]
+  kq = (kr if lever.k_bits is None else
+        _quantize_groups(kg, lever, lever.k_tokens, lever.k_bits).transpose(0, 3, 1, 2).reshape(-1, h, d)[:t])
   vc = min(lever.v_channels, d)
-  vg = (v @ r_v).reshape(t, h, d // vc, vc)
-  vq = _quantize_groups(vg, lever, vc).reshape(t, h, d)
+  vr = v @ r_v
+  vq = vr if lever.v_bits is None else _quantize_groups(vr.reshape(t, h, d // vc, vc), lever, vc,
+                                                        lever.v_bits).reshape(t, h, d)
   return kq @ r_k.T, vq @ r_v.T
 
 
@@ -209,6 +216,16 @@ LEVERS = {
                                                  mse_clip=True),
     "16-bit + K 32 + V 64 + codebook + clipping": Lever(param_bits=16, stat_bits=16, k_tokens=32, v_channels=64,
                                                         codebook=True, mse_clip=True),
+    "16-bit, 5-bit K, 4-bit V": Lever(param_bits=16, stat_bits=16, k_bits=5),
+    # Where the error sits: one side exact.
+    "split: K exact, V v1": Lever(k_bits=None),
+    "split: K exact, V in 32-channel groups": Lever(k_bits=None, v_channels=32),
+    "split: K exact, V in 16-channel groups": Lever(k_bits=None, v_channels=16),
+    "split: K exact, V 5-bit": Lever(k_bits=None, v_bits=5),
+    "split: V exact, K v1": Lever(v_bits=None),
+    "split: V exact, K groups of 16 tokens": Lever(v_bits=None, k_tokens=16),
+    "split: V exact, K 5-bit": Lever(v_bits=None, k_bits=5),
+    "split: V exact, K 6-bit": Lever(v_bits=None, k_bits=6),
 }
 
 
