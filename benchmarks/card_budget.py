@@ -44,7 +44,7 @@ from benchmarks import common  # noqa: E402
 USER_TOKENS = 152_263
 HIDDEN, HEADS, HEAD_DIM, ROT_DIM = 5376, 56, 128, 96
 STEP = 4096
-BLOCKS = ("reference", "dense", "sol", "jax_dense")
+BLOCKS = ("dense", "reference", "sol", "jax_dense")  # user-case rows, in running order
 
 
 # --------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def main(argv=None):
   ap.add_argument("--held-gib", type=float, default=6.09)
   ap.add_argument("--tokens", type=int, default=USER_TOKENS)
   ap.add_argument("--scratch-mib", type=int, default=512)
-  ap.add_argument("--blocks", default="dense,reference,sol,jax_dense", help="user-case rows, in this order")
+  ap.add_argument("--blocks", default=",".join(BLOCKS), help="user-case rows, in this order")
   ap.add_argument("--allocators", default="platform,bfc",
                   help="JAX allocators for the packed blocks' user-case rows (bfc: dense only, for before/after)")
   ap.add_argument("--no-search", action="store_true", help="skip the largest-T search")

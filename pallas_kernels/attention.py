@@ -31,7 +31,6 @@ Which inputs take which path (``method="auto"``):
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

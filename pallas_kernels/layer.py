@@ -106,7 +106,7 @@ def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, *, batch
   if min(tokens, heads, head_dim, hidden, batch) <= 0:
     raise ValueError(f"tokens, heads, head_dim, hidden and batch must be positive, got "
                      f"{(tokens, heads, head_dim, hidden, batch)}")
-  classes = tuple(block_classes) if block_classes is not None else (fmt.CLASS_ID["int4"],) * (-(-tokens // fmt.BLOCK))
+  classes = tuple(block_classes) if block_classes is not None else fmt.resolve_block_classes(tokens)
   meta = fmt.PackedKVMeta(batch, heads, head_dim, tokens, classes, k_scheme, v_scheme)
   q = batch * tokens * heads * head_dim * 2
   packed = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in fmt.buffer_specs(meta).values())

@@ -99,7 +99,6 @@ class _Config:
   v_scheme: str
   quadrants: tuple
   present: tuple        # the classes that have blocks (each gets a store branch)
-  has_bias: bool
 
 
 def _kernel(*refs, names, cfg: _Config):
@@ -228,7 +227,7 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   shapes = _buffer_shapes(meta)
   cfg = _Config(t=meta.num_tokens, heads=h, head_dim=d, eps=float(eps), k_scheme=meta.k_scheme,
                 v_scheme=meta.v_scheme, quadrants=consts.quadrants,
-                present=tuple(c for c in fmt.CLASSES if meta.slots(c)), has_bias=bias is not None)
+                present=tuple(c for c in fmt.CLASSES if meta.slots(c)))
 
   inputs = NamedInputs()
   inputs.add_whole("pos", jnp.stack([jnp.asarray(v, jnp.int32) for v in (row0, shift, batch_index)]))
