@@ -1,5 +1,7 @@
-"""Sol attention at MiniMax-H3 shape: time, quality and routing bytes, against our dense
-packed path and cuDNN BF16 in the same run.
+"""Sol attention at MiniMax-H3 shape: time, quality and routing bytes, against comfy-kitchen's
+CUDA ``sol_attn`` (the peer, same bf16 q/k/v by DLPack, same settings), our dense packed
+path and cuDNN BF16, in the same run. Writes ``results/sol_<card>_<date>.json`` and the
+scorecard's ``sol.*`` (time ratio and cos difference against the peer per setting).
 
   python -m benchmarks.bench_sol                    # H200: B=1, H=56, D=128, T=152,263
   python -m benchmarks.bench_sol --cpu-smoke        # CPU, tiny, interpret mode (< 1 min)
@@ -39,9 +41,7 @@ H3 = dict(tokens=152_263, heads=56, head_dim=128)
 # tau = 0 routes about half the blocks at this shape (CPU estimate), past the default
 # list capacity, hence its own max_exact.
 DEFAULT_CONFIGS = (
-    {"tau": 1.0},
     {"tau": 1.0, "sink_blocks": "prefix"},
-    {"tau": 2.0, "sink_blocks": "prefix"},
     {"tau": 0.0, "sink_blocks": "prefix", "max_exact": 2048},
     {"topk_ratio": 0.1, "sink_blocks": "prefix"},
 )
@@ -154,6 +154,36 @@ def routing_stats(routing, plan_sinks, sink_q, nb):
 # --------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------
+def comfy_peer(qb, kb, vb):
+  """comfy-kitchen's CUDA ``sol_attn`` on the same bf16 q, k, v (zero-copy torch views),
+  as ``fn(kwargs, runs) -> (out as a jax array, first, median, times)``; None when the
+  package is missing. Its output comes back to JAX by DLPack for the same quality rows."""
+  try:
+    import torch
+    import comfy_kitchen
+  except ImportError:
+    return None
+  from torch.utils import dlpack as tdl
+  tq, tk, tv = (torch.from_dlpack(x) for x in (qb, kb, vb))
+
+  def run(kw, runs):
+    def call():
+      return comfy_kitchen.sol_attn(tq, tk, tv, **kw)
+    t0 = time.perf_counter()
+    out = call()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(runs):
+      del out
+      t0 = time.perf_counter()
+      out = call()
+      torch.cuda.synchronize()
+      times.append(time.perf_counter() - t0)
+    return jnp.from_dlpack(out.contiguous()), first, float(np.median(times)), times
+  return run
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--tokens", type=int, default=H3["tokens"])
@@ -176,8 +206,9 @@ def main(argv=None):
     args.quality_rows = min(args.quality_rows, 64)
   if args.out is None:
     # The smoke run checks the script, it measures nothing worth keeping in the repo.
+    from benchmarks import common
     args.out = (os.path.join(tempfile.gettempdir(), "sol_cpu_smoke.json") if args.cpu_smoke
-                else "benchmarks/results/sol_h200.json")
+                else common.result_path("sol", common.device_name()))
   configs = json.loads(args.configs) if args.configs else list(DEFAULT_CONFIGS)
   if args.cpu_smoke and not args.configs:
     configs = configs[1:2]
@@ -234,7 +265,11 @@ def main(argv=None):
   cudnn = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, implementation=impl))
   out, first, med, times = timed(cudnn, qb, kb, vb, runs=args.runs)
   report("cudnn_bf16" if on_gpu else "xla_bf16", out, first, med, times)
-  del out, qb, kb, vb
+  del out
+  peer = comfy_peer(qb, kb, vb) if on_gpu else None   # the caller's bf16 q, k, v, shared by DLPack
+  if peer is None:
+    record["peer"] = "comfy-kitchen sol_attn not run (" + ("not importable" if on_gpu else "CPU") + ")"
+  del qb, kb, vb
 
   dense_out = None
   if not args.skip_dense:
@@ -266,7 +301,14 @@ def main(argv=None):
     out, first, med, times = timed(full, q_rot, packed, runs=args.runs)
     if not args.skip_dense:
       stats["vs_dense_packed"] = quality(np.asarray(pick(out)), dense_rows)
-    report(name, out, first, med, times, fraction=stats["exact_block_fraction_mean"], extra=stats)
+    ours = report(name, out, first, med, times, fraction=stats["exact_block_fraction_mean"], extra=stats)
+    if peer is not None:
+      p_kw = {k: v for k, v in kw.items() if k != "max_exact"}
+      p_out, p_first, p_med, p_times = peer(p_kw, args.runs)
+      theirs = report("comfy " + name, p_out, p_first, p_med, p_times)
+      ours["vs_comfy_time"] = med / p_med
+      ours["cos_minus_comfy"] = ours["cos"] - theirs["cos"]
+      del p_out
     print(f"{'':48s} routing {r_med * 1e3:.2f} ms, kernel {k_med * 1e3:.2f} ms, exact "
           f"{stats['exact_block_fraction_mean']:.3f}, listed max {stats['listed_max']}/{stats['capacity']}, "
           f"dropped {stats['dropped_total']}, routing bytes {stats['routing_bytes'] / 2**20:.1f} MiB", flush=True)
@@ -278,6 +320,16 @@ def main(argv=None):
   with open(args.out, "w") as f:
     json.dump(record, f, indent=1)
   print(f"wrote {args.out}", flush=True)
+  if peer is not None:
+    from benchmarks import common
+    keys = {"tau=1.0,sink_blocks": "tau1", "tau=0.0,sink_blocks": "tau0", "topk_ratio=0.1,sink_blocks": "topk01"}
+    entries = {}
+    for name, e in res.items():
+      for pre, tag in keys.items():
+        if name.startswith("sol " + pre) and "vs_comfy_time" in e:
+          entries[f"sol.vs_comfy_{tag}"] = round(e["vs_comfy_time"], 3)
+          entries[f"sol.cos_minus_comfy_{tag}"] = round(e["cos_minus_comfy"], 5)
+    common.update_scorecard(entries, card=common.device_name(), source=args.out, command=record["command"])
   return record
 
 

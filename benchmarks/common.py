@@ -62,10 +62,10 @@ def time_fn(fn, warmup: int = 1, repeats: int = 3, sync=None):
   return statistics.median(times), times
 
 
-def device_free_bytes() -> int:
-  """cudaMemGetInfo's free bytes on the current CUDA device."""
+def device_free_bytes(device=None) -> int:
+  """cudaMemGetInfo's free bytes on CUDA device ``device`` (default: the current one)."""
   import torch
-  return torch.cuda.mem_get_info()[0]
+  return torch.cuda.mem_get_info(device)[0]
 
 
 class LowWater:
@@ -73,20 +73,21 @@ class LowWater:
   seen (bytes). Peaks shorter than the sampling period can slip past; the benchmarks'
   buffers live for milliseconds to seconds."""
 
-  def __init__(self, period_s: float = 0.0005):
+  def __init__(self, period_s: float = 0.0005, device=None):
     self.period_s = period_s
+    self.device = device
     self.low = None
     self._stop = threading.Event()
     self._thread = None
 
   def _run(self):
     while not self._stop.is_set():
-      free = device_free_bytes()
+      free = device_free_bytes(self.device)
       self.low = free if self.low is None else min(self.low, free)
       time.sleep(self.period_s)
 
   def __enter__(self):
-    self.low = device_free_bytes()
+    self.low = device_free_bytes(self.device)
     self._stop.clear()
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
@@ -95,7 +96,7 @@ class LowWater:
   def __exit__(self, *exc):
     self._stop.set()
     self._thread.join()
-    self.low = min(self.low, device_free_bytes())
+    self.low = min(self.low, device_free_bytes(self.device))
     return False
 
 

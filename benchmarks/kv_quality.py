@@ -18,7 +18,8 @@ Rows:
 * levers for a version 2, each alone and combined (fake quantization in numpy, same
   rounding as the format): 16-bit scales and stats, a Lloyd-Max 4-bit codebook fitted
   to the normalized group values, MSE-optimal clipping of each group's range, finer
-  K groups, K smoothed by its per-channel mean (exact under softmax).
+  K groups, K smoothed by its per-channel mean (exact under softmax), K quantized
+  before RoPE with RoPE applied after decoding (KVQuant's observation).
 
 ``bits`` is K and V together per value at H3's head dim 128: codes, every scale and
 zero, and the per-block stats (Sol's K mean and V sum). Writes
@@ -44,6 +45,7 @@ from benchmarks import common  # noqa: E402
 SAMPLE = os.path.join(ROOT, "benchmarks", "data", "smollm2_qkv_sample.npz")
 REAL_LAYERS = (2, 7, 12, 17, 22, 27)
 H3_HEAD_DIM = 128
+REAL_ROPE_THETA = 1e5   # SmolLM2-135M's (the committed sample's positions are 0..1023)
 
 
 # --------------------------------------------------------------------------------------
@@ -110,6 +112,7 @@ class Lever:
   codebook: bool = False         # Lloyd-Max levels instead of uniform ones
   mse_clip: bool = False
   k_smooth: bool = False         # subtract K's per-channel mean over the sequence first
+  k_pre_rope: bool = False       # quantize K before RoPE (KVQuant), apply RoPE after decoding
   k_bits: int | None = 4         # code bits; None keeps that side exact (where the error sits)
   v_bits: int | None = 4
 
@@ -175,9 +178,14 @@ def _levels(g, lo, hi, lever, group_size, bits):
   return np.floor(u * top + 0.5) / top * scale + zero
 
 
-def lever_roundtrip(k, v, lever: Lever):
+def lever_roundtrip(k, v, lever: Lever, rope=None):
+  """``rope``: (forward, inverse) RoPE on (T, H, D), needed by ``k_pre_rope``."""
   t, h, d = k.shape
   r_k, r_v = rotations(d)
+  if lever.k_pre_rope:
+    forward, inverse = rope
+    kd, vd = lever_roundtrip(inverse(k), v, dataclasses.replace(lever, k_pre_rope=False))
+    return forward(kd), vd
   kr = k @ r_k
   if lever.k_smooth:
     kr = kr - kr.mean(0, keepdims=True)   # exact: shifts every logit of a query by one constant
@@ -217,6 +225,8 @@ LEVERS = {
     "16-bit + K 32 + V 64 + codebook + clipping": Lever(param_bits=16, stat_bits=16, k_tokens=32, v_channels=64,
                                                         codebook=True, mse_clip=True),
     "16-bit, 5-bit K, 4-bit V": Lever(param_bits=16, stat_bits=16, k_bits=5),
+    "K quantized before RoPE": Lever(k_pre_rope=True),
+    "16-bit + K before RoPE + V 32 channels": Lever(param_bits=16, stat_bits=16, k_pre_rope=True, v_channels=32),
     # Where the error sits: one side exact.
     "split: K exact, V v1": Lever(k_bits=None),
     "split: K exact, V in 32-channel groups": Lever(k_bits=None, v_channels=32),
@@ -226,21 +236,23 @@ LEVERS = {
     "split: V exact, K groups of 16 tokens": Lever(v_bits=None, k_tokens=16),
     "split: V exact, K 5-bit": Lever(v_bits=None, k_bits=5),
     "split: V exact, K 6-bit": Lever(v_bits=None, k_bits=6),
+    "split: V exact, K before RoPE": Lever(v_bits=None, k_pre_rope=True),
 }
 
 
 # --------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------
-def evaluate(layers: dict, rows: dict) -> list:
-  """layers: {name: (q, k, v)}; rows: {row name: fn(k, v) -> (kd, vd)}. One record per
-  row with per-layer metrics, median and worst."""
+def evaluate(layers: dict, rows: dict, ropes: dict) -> list:
+  """layers: {name: (q, k, v)}; rows: {row name: fn(k, v, rope) -> (kd, vd)}; ropes:
+  {name: (forward, inverse)}, the RoPE each layer's q and k carry. One record per row
+  with per-layer metrics, median and worst."""
   refs = {name: attention(*qkv) for name, qkv in layers.items()}
   out = []
   for row, fn in rows.items():
     per = {}
     for name, (q, k, v) in layers.items():
-      kd, vd = fn(k, v)
+      kd, vd = fn(k, v, ropes[name])
       per[name] = metrics(attention(q, kd.astype(np.float32), vd.astype(np.float32)), refs[name])
     cos = [m["cos"] for m in per.values()]
     rec = {"row": row, "layers": per, "median_cos": float(np.median(cos)), "worst_cos": float(min(cos)),
@@ -253,31 +265,55 @@ def evaluate(layers: dict, rows: dict) -> list:
 
 
 def all_rows():
-  rows = {f"v1: {name}": functools.partial(lambda k, v, kw: v1_roundtrip(k, v, **kw), kw=kw)
+  rows = {f"v1: {name}": functools.partial(lambda k, v, rope, kw: v1_roundtrip(k, v, **kw), kw=kw)
           for name, kw in V1_POLICIES.items()}
-  rows.update({f"lever: {name}": functools.partial(lambda k, v, lev: lever_roundtrip(k, v, lev), lev=lev)
+  rows.update({f"lever: {name}": functools.partial(lambda k, v, rope, lev: lever_roundtrip(k, v, lev, rope),
+                                                   lev=lev)
                for name, lev in LEVERS.items()})
   return rows
 
 
+def adjacent_pair_rope(tokens, head_dim, theta=REAL_ROPE_THETA):
+  """(forward, inverse) of SmolLM2's RoPE (pairs (2i, 2i + 1), positions 0..T-1) on (T, H, D)."""
+  ang = np.arange(tokens)[:, None] * theta ** (-np.arange(0, head_dim, 2) / head_dim)[None]
+  cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+
+  def turn(x, sign):
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return np.stack([x0 * cos - x1 * sign * sin, x0 * sign * sin + x1 * cos], -1).reshape(x.shape)
+  return (lambda x: turn(x, 1.0)), (lambda x: turn(x, -1.0))
+
+
 def real_layers(tokens, layers, sample: bool):
+  """({name: (q, k, v)}, {name: rope}, info)."""
   if sample:
     z = np.load(SAMPLE)
     names = sorted({k[1:] for k in z.files})
-    return {f"L{n}": (z["q" + n].astype(np.float32), z["k" + n].astype(np.float32), z["v" + n].astype(np.float32))
-            for n in names}, {"source": os.path.relpath(SAMPLE, ROOT)}
-  from benchmarks import real_activations
-  acts, info = real_activations.capture(tokens, layers)
-  return {f"L{l}": a for l, a in acts.items()}, info
+    acts = {f"L{n}": (z["q" + n].astype(np.float32), z["k" + n].astype(np.float32), z["v" + n].astype(np.float32))
+            for n in names}
+    info = {"source": os.path.relpath(SAMPLE, ROOT)}
+  else:
+    from benchmarks import real_activations
+    acts, info = real_activations.capture(tokens, layers)
+    if info["rope_theta"] != REAL_ROPE_THETA:
+      raise ValueError(f"the model's RoPE theta is {info['rope_theta']}, the sample's {REAL_ROPE_THETA}")
+    acts = {f"L{l}": a for l, a in acts.items()}
+  ropes = {n: adjacent_pair_rope(*a[1].shape[::2]) for n, a in acts.items()}
+  return acts, ropes, info
 
 
 def synthetic_layers(tokens, seeds, heads=4):
+  """({name: (q, k, v)}, {name: rope}) from the DiT-like generator and its RoPE tables."""
   from pallas_kernels.testing import dit_qkv
-  out = {}
+  from pallas_kernels.rope import apply_rope_reference
+  rot = (3 * H3_HEAD_DIM) // 4
+  out, ropes = {}, {}
   for s in seeds:
-    q, k, v, _, _ = dit_qkv(tokens, heads, H3_HEAD_DIM, prefix_tokens=tokens // 10, seed=s)
+    q, k, v, cos, sin = dit_qkv(tokens, heads, H3_HEAD_DIM, prefix_tokens=tokens // 10, rot_dim=rot, seed=s)
     out[f"seed{s}"] = (q[0], k[0], v[0])
-  return out
+    ropes[f"seed{s}"] = (lambda x, c=cos, n=sin: np.asarray(apply_rope_reference(x, c, n, rot)),
+                         lambda x, c=cos, n=sin: np.asarray(apply_rope_reference(x, c, -n, rot)))
+  return out, ropes
 
 
 def main(argv=None):
@@ -293,26 +329,35 @@ def main(argv=None):
   bits = {f"lever: {n}": lev.bits() for n, lev in LEVERS.items()}
   results = {"bits_per_value_d128": bits | {"format v1": Lever().bits()}}
   if args.sample:
-    layers, info = real_layers(0, (), True)
+    layers, ropes, info = real_layers(0, (), True)
     print(f"real sample ({info['source']})", flush=True)
-    results["real_sample"] = {"info": info, "rows": evaluate(layers, rows)}
+    results["real_sample"] = {"info": info, "rows": evaluate(layers, rows, ropes)}
   else:
     for t in (int(x) for x in args.tokens.split(",")):
-      layers, info = real_layers(t, REAL_LAYERS, False)
+      layers, ropes, info = real_layers(t, REAL_LAYERS, False)
       print(f"real activations, T = {t}: {info}", flush=True)
       if args.save_sample and t == 2048:
         os.makedirs(os.path.dirname(SAMPLE), exist_ok=True)
         keep = {f"{r}{n[1:]}": a[:1024].astype(np.float16) for n, qkv in layers.items() if n in ("L7", "L22")
                 for r, a in zip("qkv", qkv)}
         np.savez_compressed(SAMPLE, **keep)
-      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows)}
+      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows, ropes)}
     t = args.synthetic_tokens
     print(f"DiT-like synthetic, T = {t}", flush=True)
-    results[f"synthetic_{t}"] = {"rows": evaluate(synthetic_layers(t, [int(s) for s in args.seeds.split(",")]),
-                                                  rows)}
+    layers, ropes = synthetic_layers(t, [int(s) for s in args.seeds.split(",")])
+    results[f"synthetic_{t}"] = {"rows": evaluate(layers, rows, ropes)}
   out = args.out or os.path.join(common.RESULTS, f"kv_quality_{'sample_' if args.sample else ''}"
                                                  f"{__import__('datetime').date.today().isoformat()}.json")
   common.write_json(out, common.run_record() | results)
+  if not args.sample:
+    real = {r["row"]: r for r in results[f"real_{max(int(x) for x in args.tokens.split(','))}"]["rows"]}
+    synth = {r["row"]: r for r in results[f"synthetic_{t}"]["rows"]}
+    common.update_scorecard({"quality.real_median_cos_int4": round(real["v1: all int4"]["median_cos"], 5),
+                             "quality.real_worst_cos_int4": round(real["v1: all int4"]["worst_cos"], 5),
+                             "quality.bits_per_value": Lever().bits(),
+                             "quality.synthetic_min_cos_int4_4096" if t == 4096 else f"quality.synthetic_min_cos_int4_{t}":
+                                 round(synth["v1: all int4"]["worst_cos"], 5)},
+                            card="cpu (float32 attention)", source=out, command=common.run_record()["command"])
 
 
 if __name__ == "__main__":

@@ -129,5 +129,5 @@ def capture(tokens: int, layers, text: str | None = None) -> tuple[dict, dict]:
   if len(ids) < tokens:
     raise ValueError(f"the text has {len(ids)} tokens, fewer than {tokens}")
   info = {"model": MODEL_FILE, "text": where, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-          "text_tokens": int(len(ids)), "tokens": tokens, "layers": list(layers)}
+          "text_tokens": int(len(ids)), "tokens": tokens, "rope_theta": model.theta, "layers": list(layers)}
   return model.capture(ids[:tokens], tuple(layers)), info

@@ -49,11 +49,14 @@ Blocks are the format's 64-token blocks; NB = ceil(T / 64) query and key blocks.
 
 Deviations from the eager reference, and why
 ---------------------------------------------
-* Basis. The format stores Q/K rotated by the Hadamard ``R_k`` and V by ``R_v``;
-  routing runs in that basis. The dot products are rotation invariant but the
-  per-channel ``kvar`` in the tau threshold is not, so tau selects exactly what
-  comfy's ``sol_attn(q R_k, k R_k, v R_v)`` selects, not what it selects on the
-  unrotated tensors (the format holds no other basis).
+* None in routing's basis. The format stores Q/K rotated by the Hadamard ``R_k``
+  and V by ``R_v``. The dot products are rotation invariant but the per-channel
+  ``kvar`` and ``c_id**2`` of the tau threshold are not, so the threshold's variance
+  term is computed in the caller's basis: ``kcc`` and ``c`` are un-rotated by
+  ``R_k^T`` first (NB x D x D flops, nothing next to attention). Tau then selects
+  what comfy's ``sol_attn(q, k, v)`` selects on the model's own tensors; routing in
+  the rotated basis lost 0.012 cos at tau = 1 on DiT-like data
+  (``benchmarks/sol_quality.py``, ``benchmarks/NOTES.md``).
 * Stats come from the epilogue's full-precision K/V while the exact branch reads
   the quantized tiles (comfy derives both from one tensor). The pooled term is
   therefore more accurate than a block mean of dequantized K would be.
@@ -239,15 +242,22 @@ def normalize_key_bias(key_bias, batch: int, num_tokens: int) -> jax.Array:
   return jnp.broadcast_to(kb.astype(jnp.float32), (batch, num_tokens))
 
 
+def _unrotation(meta) -> jax.Array:
+  """R_k^T (D, D) f32: takes rotated Q/K rows back to the caller's basis."""
+  return jnp.asarray(fmt.hadamard_rotation(meta.head_dim, meta.rotation_seed_k).T, jnp.float32)
+
+
 def _pooled_keys(packed, lengths):
-  """(k_mean over live rows, kg, kvar): (B,H,NB,D), (B,H,D), (B,H,D) f32."""
+  """(k_mean over live rows, kg, kvar): (B,H,NB,D), (B,H,D), (B,H,D) f32; kvar per
+  channel of the caller's (un-rotated) basis."""
   meta = packed.meta
   rows = np.minimum(meta.num_tokens - np.arange(meta.num_blocks) * BLOCK, BLOCK).astype(np.float32)
   km = packed.k_mean
   if lengths is not None:
     km = km * (jnp.asarray(rows) / lengths.astype(jnp.float32))[None, None, :, None]
   kg = km.mean(axis=2)
-  kvar = jnp.square(km - kg[:, :, None]).mean(axis=2)
+  kcc_caller = jnp.einsum("bhnd,de->bhne", km - kg[:, :, None], _unrotation(meta), precision=lax.Precision.HIGHEST)
+  kvar = jnp.square(kcc_caller).mean(axis=2)
   return km, kg, kvar
 
 
@@ -277,11 +287,12 @@ def _centroids(q, lengths) -> jax.Array:
 # --------------------------------------------------------------------------------------
 # Routing
 # --------------------------------------------------------------------------------------
-def _route_rows(cen, kcc, kvar, qb, plan: _Plan):
+def _route_rows(cen, kcc, kvar, qb, plan: _Plan, unrotation):
   """Routed key blocks of the query blocks ``qb``.
 
   cen (B, H, C, D) centroids of query blocks ``qb`` (C,), kcc (B, H, NB, D) centred
-  block means, kvar (B, H, D). Returns (routed (B, H, C, NB) bool, scores, wanted
+  block means, both rotated; kvar (B, H, D) in the caller's basis, where
+  ``unrotation`` (D, D) takes the centroids for the threshold. Returns (routed (B, H, C, NB) bool, scores, wanted
   (B, H, C) int32): routed holds the diagonal and the routed blocks minus the sink
   range, after the ``max_exact`` cut; ``sink_q`` rows route nothing (they are dense);
   ``wanted`` counts the blocks before the cut.
@@ -300,7 +311,8 @@ def _route_rows(cen, kcc, kvar, qb, plan: _Plan):
     else:
       routed = jnp.zeros(score.shape, bool)
   else:
-    var = jnp.sum(jnp.square(cen) * kvar[:, :, None, :], axis=-1)
+    cen_caller = jnp.einsum("bhcd,de->bhce", cen, unrotation, precision=lax.Precision.HIGHEST)
+    var = jnp.sum(jnp.square(cen_caller) * kvar[:, :, None, :], axis=-1)
     thr = plan.tau * jnp.sqrt(var * (s * s) + 1e-6)
     routed = score > thr[..., None]
   diag = jnp.abs(j[None, :] - qb[:, None]) <= 1
@@ -395,7 +407,7 @@ def _routing_impl(q, packed, block_len, plan: _Plan, chunk_bytes: int) -> SolRou
 
   def chunk(args):
     cen_c, qb_c = args
-    routed, _, wanted = _route_rows(cen_c, kcc, kvar, qb_c, plan)
+    routed, _, wanted = _route_rows(cen_c, kcc, kvar, qb_c, plan, _unrotation(meta))
     # Unrouted blocks get distinct out-of-range slots, so every index is unique and
     # the scatter is plain stores (no collision handling) that drop the unrouted.
     pos = jnp.where(routed, jnp.cumsum(routed, axis=-1, dtype=jnp.int32) - 1, cap + j.astype(jnp.int32))
@@ -462,7 +474,7 @@ def _reference_jit(q, packed, key_bias, block_len, *, plan, keep_rotated):
   kcc = km - kg[:, :, None]
   cen = _centroids(q, lengths)
   j = jnp.arange(nb)
-  routed, proxy, _ = _route_rows(cen, kcc, kvar, j.astype(jnp.int32), plan)
+  routed, proxy, _ = _route_rows(cen, kcc, kvar, j.astype(jnp.int32), plan, _unrotation(meta))
   s0, s1 = plan.sink_blocks
   q0, q1 = plan.sink_q
   exact = routed | ((j >= s0) & (j < s1))[None, None, None, :] | ((j >= q0) & (j < q1))[None, None, :, None]

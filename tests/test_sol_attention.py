@@ -133,8 +133,8 @@ def test_reference_matches_comfy_kitchen_eager(kw):
   """Our jnp reference against comfy-kitchen's eager sol_attn, where it is installed.
 
   Same numbers in: a bf16 store (exact), stats from the same bf16-rounded K/V, and
-  comfy called on the rotated tensors (routing's tau threshold is basis dependent;
-  see the module docstring). Not installed here: skipped.
+  comfy called on those tensors un-rotated (float32), the basis the caller holds:
+  our tau threshold is computed there (the module docstring). Not installed: skipped.
   """
   eager = pytest.importorskip("comfy_kitchen.backends.eager.sol_attn")
   torch = pytest.importorskip("torch")
@@ -156,8 +156,9 @@ def test_reference_matches_comfy_kitchen_eager(kw):
   if "sm_scale" in theirs:
     theirs["scale"] = theirs.pop("sm_scale")
   packed = _quantize(jnp.asarray(kr), jnp.asarray(vr), fmt.PackedKVMeta(1, H, d, t, (2,) * nb))
-  out = np.asarray(sol.sol_attention_reference(jnp.asarray(qr, jnp.bfloat16), packed, keep_rotated=True, **ours))
-  want = eager.sol_attn(*(torch.from_numpy(x.copy()) for x in (qr, kr, vr)), **theirs).numpy()
+  out = np.asarray(sol.sol_attention_reference(jnp.asarray(qr, jnp.bfloat16), packed, **ours))
+  caller = (qr @ rk.T, kr @ rk.T, vr @ rv.T)   # exact in float32 up to rounding: R is orthogonal
+  want = eager.sol_attn(*(torch.from_numpy(np.ascontiguousarray(x, np.float32)) for x in caller), **theirs).numpy()
   assert quality(out[:, live], want[:, live])["rel_l1"] < 1e-5
 
 
