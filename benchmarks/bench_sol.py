@@ -163,7 +163,6 @@ def comfy_peer(qb, kb, vb):
     import comfy_kitchen
   except ImportError:
     return None
-  from torch.utils import dlpack as tdl
   tq, tk, tv = (torch.from_dlpack(x) for x in (qb, kb, vb))
 
   def run(kw, runs):

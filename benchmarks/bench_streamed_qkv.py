@@ -162,6 +162,7 @@ VARIANTS = (("chunked_128mib", dict(method="chunked", scratch_bytes=128 << 20)),
             ("chunked_512mib", dict(method="chunked", scratch_bytes=512 << 20)),
             ("chunked_2gib", dict(method="chunked", scratch_bytes=2 << 30)),
             ("chunked_512mib_epilogue_8warps", dict(method="chunked", scratch_bytes=512 << 20, epilogue_num_warps=8)),
+            ("chunked_512mib_bf16_gemm", dict(method="chunked", scratch_bytes=512 << 20, gemm_dtype="bfloat16")),
             ("fused", dict(method="fused")))
 
 

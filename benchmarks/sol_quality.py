@@ -37,7 +37,6 @@ SETTINGS = {"tau=1": dict(tau=1.0), "tau=0": dict(tau=0.0), "topk 0.1": dict(top
 
 
 def run(tokens, heads, seeds, head_dim=128):
-  import jax
   import jax.numpy as jnp
   import torch
   from comfy_kitchen.backends.eager.sol_attn import sol_attn as peer

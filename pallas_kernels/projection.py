@@ -153,7 +153,8 @@ def chunk_scratch_bytes(rows: int, hidden: int, width: int) -> int:
   return rows * (width * 4 + hidden * 2) + GEMM_WORKSPACE_BYTES
 
 
-def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, num_warps=4, init=None):
+def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, num_warps=4, init=None,
+             gemm_dtype=jnp.float32):
   """The chunked method: one ``fori_loop`` over (batch row, chunk), every chunk of the
   same shape, so XLA holds one chunk's scratch at a time.
 
@@ -180,7 +181,7 @@ def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, nu
     else:  # one chunk longer than the sequence
       start = 0
       xs = jnp.pad(lax.dynamic_slice(x, (bi, 0, 0), (1, t, hidden))[0], ((0, rows - t), (0, 0)))
-    y = jnp.dot(xs, w_qkv, preferred_element_type=jnp.float32)
+    y = jnp.dot(xs, w_qkv, preferred_element_type=gemm_dtype)
     return epilogue_call(y, bias, a, a - start, bi, bufs, cos, sin, consts, meta, eps=eps, interpret=interpret,
                          num_warps=num_warps)
 
@@ -199,7 +200,13 @@ def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, nu
 _STATIC = ("rot_dim", "heads", "head_dim", "block_classes", "k_scheme", "v_scheme",
            "rotation_seed_k", "rotation_seed_v", "eps", "interpret", "method", "scratch_bytes",
            "block_q", "block_h", "num_warps", "num_stages", "full_width_gemm", "q_heads_per_program",
-           "kv_blocks_per_program", "epilogue_num_warps")
+           "kv_blocks_per_program", "epilogue_num_warps", "gemm_dtype")
+
+
+def _gemm_dtype(name):
+  if str(name) not in ("float32", "bfloat16"):
+    raise ValueError(f"gemm_dtype must be 'float32' or 'bfloat16', got {name!r}")
+  return jnp.dtype(str(name))
 
 
 def resolve_method(method: str, num_tokens: int, hidden: int, width: int, scratch_bytes: int) -> str:
@@ -226,7 +233,7 @@ def streamed_qkv(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos,
                  interpret=None, method="auto", scratch_bytes=DEFAULT_SCRATCH_BYTES, block_q=128,
                  block_h=64, num_warps=None, num_stages=None,
                  full_width_gemm=qkv_fused.DEFAULT_FULL_WIDTH_GEMM, q_heads_per_program=1,
-                 kv_blocks_per_program=1, epilogue_num_warps=4):
+                 kv_blocks_per_program=1, epilogue_num_warps=4, gemm_dtype="float32"):
   """x (B, T, hidden) bf16 @ w_qkv (hidden, 3HD) bf16 -> (Q, PackedKV).
 
   Q is (B, T, H, D) bf16 after per-head RMSNorm, partial split-half RoPE (channels
@@ -239,7 +246,10 @@ def streamed_qkv(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos,
   method: ``"auto"`` (``"chunked"`` unless ``scratch_bytes`` holds no 64-row chunk),
   ``"chunked"`` (cuBLAS row chunks + the epilogue kernel; scratch at most
   ``scratch_bytes``) or ``"fused"`` (one Pallas kernel, no scratch).
-  ``epilogue_num_warps`` tunes the chunked method's epilogue kernel; the remaining
+  ``epilogue_num_warps`` tunes the chunked method's epilogue kernel; ``gemm_dtype``
+  ("float32" or "bfloat16") is the dtype of its cuBLAS chunk: bfloat16 halves the
+  chunk's traffic but rounds the projection before the norm, as a BF16 model's own
+  qkv_proj does (outside the reference's 1e-4 code agreement; benchmarks/NOTES.md). The remaining
   keywords tune the fused kernel only (``qkv_fused.fused_qkv``).
   """
   meta = _check_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
@@ -262,4 +272,4 @@ def streamed_qkv(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos,
                                kv_blocks_per_program=kv_blocks_per_program)
   rows = chunk_rows(t, hidden, width, scratch_bytes)
   return _chunked(x, w_qkv, bias, cos, sin, consts, meta, rows=rows, eps=eps, interpret=interpret,
-                  num_warps=int(epilogue_num_warps))
+                  num_warps=int(epilogue_num_warps), gemm_dtype=_gemm_dtype(gemm_dtype))

@@ -117,8 +117,8 @@ def _kernel(*refs, names, cfg: _Config):
   def projected(role):
     col = (("q", "k", "v").index(role) * cfg.heads + h) * d
     y = r["y"]
-    lo = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col, dh)], mask=m, other=0.0)
-    hi = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col + dh, dh)], mask=m, other=0.0)
+    lo = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col, dh)], mask=m, other=0.0).astype(jnp.float32)
+    hi = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col + dh, dh)], mask=m, other=0.0).astype(jnp.float32)
     return add_bias(lo, hi, r.get("bias_" + role), dh)
 
   def qk(role, norm):
@@ -213,7 +213,7 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
                   eps: float, interpret: bool, num_warps: int = 4, num_stages: int = 1):
   """Run the epilogue of one chunk into ``buffers`` (aliased) and return them.
 
-  y: (rows, 3HD) f32, rows a multiple of 64: the projection of tokens
+  y: (rows, 3HD) f32 (or bf16), rows a multiple of 64: the projection of tokens
   ``[row0 - shift, row0 - shift + rows)`` of batch row ``batch_index``. The kernel
   writes tokens ``[row0, row0 + rows)`` below T (row0 a multiple of 64; the y rows of
   token ``row0 + i`` is ``shift + i``). row0, shift, batch_index: int32 scalars,

@@ -481,3 +481,22 @@ def test_gpu_chunked_program_stays_within_the_budget_at_h3_shapes(budget_mib):
                                 scratch_bytes=budget).lower().compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp <= budget, f"temp {temp / 2**20:.1f} MiB > budget {budget_mib} MiB"
+
+
+def test_bf16_gemm_output_rounds_only_the_projection():
+  """gemm_dtype='bfloat16': the chunk is rounded to bf16 before the epilogue, as a BF16
+  model's qkv_proj output is. Q stays within bf16 rounding of the f32 reference, codes
+  within one step; a wrong dtype names the choices."""
+  x, w, b, kw = make_inputs(seed=11)
+  q_ref, ref = streamed_qkv_reference(x, w, b, **kw, block_classes=(1, 0, 2, 0))
+  q, packed = streamed_qkv(x, w, b, **kw, block_classes=(1, 0, 2, 0), method="chunked", gemm_dtype="bfloat16",
+                           scratch_bytes=rows_scratch(128, x, kw["heads"], kw["head_dim"]))
+  qf, qr = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+  assert np.isfinite(qf).all()
+  assert rel_err(qf, qr) < 1e-2 and cosine(qf, qr) > 0.9999
+  for role in "kv":
+    diff = np.abs(_unpacked_codes(packed, role, "int4").astype(np.int32) -
+                  _unpacked_codes(ref, role, "int4").astype(np.int32))
+    assert diff.max() <= 1 and diff.mean() < 0.05
+  with pytest.raises(ValueError, match="gemm_dtype must be"):
+    streamed_qkv(x, w, b, **kw, gemm_dtype="float16")
