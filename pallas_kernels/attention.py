@@ -124,8 +124,10 @@ def _lengths_mask(kv_lengths, kv_mask, num_tokens):
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
-def attention_f32(q, k, v, *, sm_scale, q_segment_ids=None, kv_segment_ids=None, kv_mask=None):
-  """Plain float32 softmax attention, (B, T, H, D); fully masked rows give 0."""
+def attention_f32(q, k, v, *, sm_scale, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
+                  return_lse=False):
+  """Plain float32 softmax attention, (B, T, H, D); fully masked rows give 0. With
+  ``return_lse`` also the (B, H, T) log-sum-exp of the scaled logits (-inf: no key)."""
   q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=lax.Precision.HIGHEST) * sm_scale
   ok = jnp.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)
@@ -138,11 +140,15 @@ def attention_f32(q, k, v, *, sm_scale, q_segment_ids=None, kv_segment_ids=None,
   p = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   l = p.sum(-1, keepdims=True)
   p = p / jnp.where(l > 0, l, 1.0)
-  return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision=lax.Precision.HIGHEST)
+  o = jnp.einsum("bhqk,bkhd->bqhd", p, v, precision=lax.Precision.HIGHEST)
+  if not return_lse:
+    return o
+  lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)) + m[..., 0], -jnp.inf)
+  return o, lse
 
 
 def packed_attention_reference(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None,
-                               kv_mask=None, kv_lengths=None, keep_rotated=False, **_unused):
+                               kv_mask=None, kv_lengths=None, keep_rotated=False, return_lse=False, **_unused):
   """Float32 jnp reference of ``packed_attention`` (same arguments, f32 output).
 
   Dequantizes all of K and V (``formats.dequantize_reference``): tests and
@@ -152,11 +158,12 @@ def packed_attention_reference(q, packed, *, sm_scale=None, q_segment_ids=None, 
                                        kv_lengths)
   km = _lengths_mask(kl, km, packed.meta.num_tokens)
   k, v = fmt.dequantize_reference(packed)
-  o = attention_f32(q, k, v, sm_scale=sm_scale, q_segment_ids=qs, kv_segment_ids=ks, kv_mask=km)
-  if keep_rotated:
-    return o
-  r_v = jnp.asarray(fmt.hadamard_rotation(packed.meta.head_dim, packed.meta.rotation_seed_v))
-  return jnp.einsum("bqhd,ed->bqhe", o, r_v, precision=lax.Precision.HIGHEST)
+  o, lse = attention_f32(q, k, v, sm_scale=sm_scale, q_segment_ids=qs, kv_segment_ids=ks, kv_mask=km,
+                         return_lse=True)
+  if not keep_rotated:
+    r_v = jnp.asarray(fmt.hadamard_rotation(packed.meta.head_dim, packed.meta.rotation_seed_v))
+    o = jnp.einsum("bqhd,ed->bqhe", o, r_v, precision=lax.Precision.HIGHEST)
+  return (o, lse) if return_lse else o
 
 
 # --------------------------------------------------------------------------------------
@@ -273,7 +280,8 @@ _streamed_jit = jax.jit(_streamed, static_argnames=_STREAMED_STATIC)
 # q donated: at top level its buffer becomes the output instead of being copied.
 _streamed_jit_donate_q = jax.jit(_streamed, static_argnames=_STREAMED_STATIC, donate_argnums=(0,))
 
-_FUSED_STATIC = ("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps", "num_stages", "overwrite_q")
+_FUSED_STATIC = ("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps", "num_stages", "overwrite_q",
+                 "return_lse")
 
 
 def _fused(q, packed, q_seg, kv_seg, kv_mask, out, **kw):
@@ -290,7 +298,7 @@ _fused_jit_donate_q = jax.jit(_fused, static_argnames=_FUSED_STATIC, donate_argn
 def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
                      kv_lengths=None, keep_rotated=False, overwrite_q=False, method="auto",
                      scratch_bytes=DEFAULT_SCRATCH_BYTES, interpret=None, block_q=256, num_warps=None,
-                     num_stages=None, _out=None):
+                     num_stages=None, return_lse=False, _out=None):
   """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
 
   q: (B, Tq, H, D) bf16, already rotated by ``R_k`` (as ``streamed_qkv`` returns it);
@@ -307,6 +315,10 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   method: ``"auto"``, ``"streamed"`` or ``"fused"`` (module docstring).
   scratch_bytes: the streamed method's bound on its bf16 scratch (default 512 MiB).
   block_q (power of two >= 16), num_warps, num_stages: the fused kernel's tiles.
+  return_lse: also return each row's log-sum-exp of its scaled logits, (B, H, Tq) f32
+  (-inf for a row with no visible key), to merge attentions over key shards (ring
+  attention). The fused method computes it: ``auto`` takes that method, ``streamed``
+  is refused (jax's public cuDNN call does not return it).
   ``_out`` (a buffer aliased as the output, for NaN-poisoning tests) is for tests.
   """
   sm_scale, q_seg, kv_seg, kv_mask, kv_lengths = _validate(q, packed, sm_scale, q_segment_ids,
@@ -322,6 +334,11 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
     raise ValueError("interpret=False needs a CUDA GPU, and JAX has none here "
                      f"(default backend {jax.default_backend()!r}); pass interpret=None or True on a CPU")
   masked = q_seg is not None or kv_mask is not None
+  if return_lse:
+    if method == "streamed":
+      raise ValueError("return_lse needs method='fused' (or 'auto'): the streamed path's cuDNN call "
+                       "returns no log-sum-exp")
+    method = "fused"
   method, plan = resolve_method(method, q, packed, masked=masked, interpret=interpret,
                                 scratch_bytes=scratch_bytes)
   if method == "streamed":
@@ -333,4 +350,5 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   call = _fused_jit_donate_q if overwrite_q else _fused_jit
   return call(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
               keep_rotated=bool(keep_rotated), interpret=interpret, block_q=int(block_q),
-              num_warps=num_warps, num_stages=num_stages, overwrite_q=bool(overwrite_q))
+              num_warps=num_warps, num_stages=num_stages, overwrite_q=bool(overwrite_q),
+              return_lse=bool(return_lse))

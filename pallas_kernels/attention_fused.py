@@ -64,7 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import (INT4_OFFSET, LOG2E, M_INIT, NamedInputs, dot, int4_halves, int8_to_bf16,
+from pallas_kernels.backend import (INT4_OFFSET, LN2, LOG2E, M_INIT, NamedInputs, dot, int4_halves, int8_to_bf16,
                                     unrotate_halves)
 
 BLOCK = fmt.BLOCK
@@ -122,6 +122,7 @@ class _Config:
   has_segments: bool
   has_kv_mask: bool
   keep_rotated: bool
+  return_lse: bool = False
 
 
 def _kernel(*refs, names, cfg: _Config):
@@ -265,7 +266,10 @@ def _kernel(*refs, names, cfg: _Config):
     if n_full < n:
       carry = tile(cls, n_full, carry, blk=cfg.tail[1])
 
-  _, l, o_lo, o_hi, z = carry
+  m, l, o_lo, o_hi, z = carry
+  if cfg.return_lse:  # natural-log sum of exp(sm_scale * logits); -inf for a row with no key
+    lse = jnp.where(l > 0.0, (m * qk_scale + jnp.log2(jnp.where(l > 0.0, l, 1.0))) * LN2, -jnp.inf)
+    plgpu.store(r["lse"].at[q_tile], lse, mask=row_ok)
   inv = 1.0 / jnp.where(l > 0.0, l, 1.0)  # l == 0: no valid key, o is 0
   o_lo = (o_lo + z[0][:, None]) * inv[:, None]
   o_hi = (o_hi + z[-1][:, None]) * inv[:, None]
@@ -276,12 +280,13 @@ def _kernel(*refs, names, cfg: _Config):
 
 
 def fused_attention(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated, interpret,
-                    block_q, num_warps, num_stages, out=None, overwrite_q=False):
+                    block_q, num_warps, num_stages, out=None, overwrite_q=False, return_lse=False):
   """Build and run the pallas_call (inputs validated by ``attention.packed_attention``).
 
   ``out`` (optional) is aliased as the output buffer; ``overwrite_q`` aliases q itself
   (safe: each program reads its q tile before it writes the same tile of the output,
-  and no other program touches that tile).
+  and no other program touches that tile). ``return_lse`` also returns the (B, H, Tq)
+  f32 log-sum-exp of each row's scaled logits (for merging partial attentions).
   """
   meta = packed.meta
   b, tq, h, d = q.shape
@@ -293,7 +298,7 @@ def fused_attention(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated
   cfg = _Config(head_dim=d, tq=tq, tkv=meta.num_tokens, block_q=block_q, qk_scale=sm_scale * LOG2E,
                 k_scheme=meta.k_scheme, v_scheme=meta.v_scheme, classes=classes, tail=tail,
                 has_segments=q_seg is not None, has_kv_mask=kv_mask is not None,
-                keep_rotated=keep_rotated)
+                keep_rotated=keep_rotated, return_lse=bool(return_lse))
 
   inputs = NamedInputs()
   add = inputs.add
@@ -346,15 +351,22 @@ def fused_attention(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated
   default_warps, default_stages = {16: (4, 2), 32: (4, 2), 64: (4, 2), 128: (8, 3)}.get(block_q, (16, 1))
   num_warps = default_warps if num_warps is None else num_warps
   num_stages = default_stages if num_stages is None else num_stages
-  kernel = functools.partial(_kernel, names=inputs.ref_names("out"), cfg=cfg)
-  return pl.pallas_call(
+  out_names = ("out", "lse") if return_lse else ("out",)
+  out_specs = [pl.BlockSpec((None, tq, None, d), bhtd)]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)]
+  if return_lse:
+    out_specs.append(pl.BlockSpec((None, None, tq), lambda i, j, k: (k, j, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+  kernel = functools.partial(_kernel, names=inputs.ref_names(*out_names), cfg=cfg)
+  res = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(tq, block_q), h, b),
       in_specs=inputs.specs,
-      out_specs=pl.BlockSpec((None, tq, None, d), bhtd),
-      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+      out_specs=out_specs,
+      out_shape=out_shape,
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="packed_attention",
   )(*inputs.args)
+  return tuple(res) if return_lse else res[0]

@@ -11,6 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 LOG2E = math.log2(math.e)  # softmax in base 2: sm_scale * log2(e) rides in the exp2 argument
+LN2 = math.log(2.0)        # base-2 log-sum-exp back to natural log
 M_INIT = -1e30             # running max start: finite, so exp2(m_prev - m_new) never sees inf - inf
 INT4_OFFSET = 128.0        # int4_halves returns code + INT4_OFFSET
 

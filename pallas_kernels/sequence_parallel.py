@@ -1,4 +1,4 @@
-"""Sequence-parallel H3 attention (Ulysses) with the packed K/V on the wire.
+"""Sequence-parallel H3 attention (Ulysses, ring) with the packed K/V on the wire.
 
 x (B, T, hidden) is split by tokens over one axis of a ``jax.sharding.Mesh`` of P
 devices. Inside one ``jax.shard_map`` program each device:
@@ -23,9 +23,12 @@ local map. The padded x has P x S rows, S = ceil(T / P) rounded up to a 64-token
 so every device's blocks are whole global blocks.
 
 Heads must divide by P (H3's 56 heads: P in 1, 2, 4, 7, 8, 14, 28, 56); otherwise a
-ValueError says which P would work. Ring attention (K/V shards passed around with
-``ppermute``) is not built: it needs the attention's log-sum-exp, which neither the
-cuDNN path nor the fused kernel returns today (``benchmarks/NOTES.md``).
+ValueError says which P would work, and ``ring_attention_layer`` takes any P: each
+device keeps its Q and its token rows, the packed K/V shards travel the ring with
+``ppermute`` (P - 1 hops), each is attended by the fused kernel with
+``return_lse=True``, and the partial outputs merge through their log-sum-exp. Ring is
+dense only (Sol routes over the whole sequence) and runs the fused kernel, not cuDNN
+(jax's public cuDNN call returns no log-sum-exp); it is not combined with Ulysses.
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ from pallas_kernels import projection as sq
 from pallas_kernels import sol
 from pallas_kernels.layer import ATTENTIONS, _sol_kwargs
 
-__all__ = ["UlyssesPlan", "ulysses_attention_layer", "ulysses_plan", "ulysses_qkv", "wire_bytes"]
+__all__ = ["UlyssesPlan", "ring_attention_layer", "ulysses_attention_layer", "ulysses_plan", "ulysses_qkv",
+           "wire_bytes"]
 
 BLOCK = fmt.BLOCK
 
@@ -182,29 +186,51 @@ def _gather_tokens(arrays: dict, plan: UlyssesPlan, meta: fmt.PackedKVMeta) -> d
   return out
 
 
-_STATIC = ("mesh", "axis_name", "rot_dim", "heads", "head_dim", "block_classes", "k_scheme", "v_scheme",
-           "rotation_seed_k", "rotation_seed_v", "eps", "attention", "sm_scale", "sol_items", "scratch_bytes",
-           "interpret")
+@dataclasses.dataclass(frozen=True)
+class _Proj:
+  """The static settings of the local projection (``streamed_qkv``'s keywords)."""
+  rot_dim: int
+  heads: int
+  head_dim: int
+  k_scheme: str
+  v_scheme: str
+  rotation_seed_k: int
+  rotation_seed_v: int
+  eps: float
+  interpret: bool
+  scratch_bytes: int
+
+  def meta(self, batch, heads, tokens, classes) -> fmt.PackedKVMeta:
+    return fmt.PackedKVMeta(batch, heads, self.head_dim, tokens, classes, self.k_scheme, self.v_scheme,
+                            self.rotation_seed_k, self.rotation_seed_v)
 
 
-def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, mesh, axis_name, rot_dim, heads,
-             head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, eps, attention,
-             sm_scale, sol_items, scratch_bytes, interpret):
+def _token_shards(x, rope_cos, rope_sin, devices, axis_name, block_classes, proj: _Proj):
+  """(plan, padded rows, x, cos, sin padded to P x S rows, streamed_qkv's keywords,
+  the local projection's format keywords)."""
+  plan = ulysses_plan(x.shape[1], devices, block_classes)
+  rows = devices * plan.shard_tokens
+  pad = lambda a, axis: _pad_axis(a, axis, rows)
+  proj_kw = dataclasses.asdict(proj)
+  meta_kw = {k: proj_kw[k] for k in ("heads", "head_dim", "k_scheme", "v_scheme")} | {"axis_name": axis_name}
+  return (plan, rows, pad(x, 1), pad(rope_cos.astype(jnp.float32), 0), pad(rope_sin.astype(jnp.float32), 0),
+          proj_kw, meta_kw)
+
+
+_STATIC = ("mesh", "axis_name", "block_classes", "proj", "attention", "sm_scale", "sol_items")
+
+
+def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, mesh, axis_name, block_classes,
+             proj: _Proj, attention, sm_scale, sol_items):
   """The shard_map program. attention None: stop after the exchange and return
   (Q (B, T, H, D) and the packed arrays, sharded by heads); else the layer's output
   (B, T, H, D) sharded by tokens."""
   devices = mesh.shape[axis_name]
-  b, t, hidden = x.shape
-  plan = ulysses_plan(t, devices, block_classes)
-  rows = devices * plan.shard_tokens
-  x = _pad_axis(x, 1, rows)
-  cos, sin = _pad_axis(rope_cos.astype(jnp.float32), 0, rows), _pad_axis(rope_sin.astype(jnp.float32), 0, rows)
-  local_meta = fmt.PackedKVMeta(b, heads // devices, head_dim, t, plan.block_classes, k_scheme, v_scheme,
-                                rotation_seed_k, rotation_seed_v)
-  proj_kw = dict(rot_dim=rot_dim, heads=heads, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
-                 rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, eps=eps, interpret=interpret,
-                 scratch_bytes=scratch_bytes)
-  meta_kw = dict(heads=heads, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme, axis_name=axis_name)
+  b, t, _ = x.shape
+  heads, interpret = proj.heads, proj.interpret
+  plan, rows, x, cos, sin, proj_kw, meta_kw = _token_shards(x, rope_cos, rope_sin, devices, axis_name,
+                                                            block_classes, proj)
+  local_meta = proj.meta(b, heads // devices, t, plan.block_classes)
   with_bias = bias is not None
 
   def body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
@@ -221,7 +247,7 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
       o = sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret, **dict(sol_items))
     else:
       o = dense.packed_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
-                                 scratch_bytes=scratch_bytes)
+                                 scratch_bytes=proj.scratch_bytes)
     # Heads -> tokens.
     return a2a(_pad_axis(o, 1, rows), split_axis=1, concat_axis=2)       # (B, S, H, D)
 
@@ -235,37 +261,45 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
   out = shard(x, cos, sin, w_qkv, bias_arg, q_norm_weight, k_norm_weight)
   if attention is None:
     q, arrays = out
-    meta = fmt.PackedKVMeta(b, heads, head_dim, t, plan.block_classes, k_scheme, v_scheme, rotation_seed_k,
-                            rotation_seed_v)
-    return q, fmt.PackedKV(meta, arrays)
+    return q, fmt.PackedKV(proj.meta(b, heads, t, plan.block_classes), arrays)
   return out[:, :t]
 
 
 _sharded_jit = jax.jit(_sharded, static_argnames=_STATIC)
 
 
-def _checked_call(x, w_qkv, bias, *, mesh, axis_name, heads, block_classes, attention, sol_options, scratch_bytes,
-                  interpret, **kw):
-  if attention not in ATTENTIONS + (None,):
-    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-  if axis_name not in mesh.shape:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-  devices = mesh.shape[axis_name]
+def _proj(heads, *, rot_dim, head_dim, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, eps, interpret,
+          scratch_bytes) -> _Proj:
   if not isinstance(heads, (int, np.integer)) or heads <= 0:
     raise ValueError(f"heads must be a positive int, got {heads!r}")
+  return _Proj(int(rot_dim), int(heads), int(head_dim), k_scheme, v_scheme, int(rotation_seed_k),
+               int(rotation_seed_v), float(eps), backend.resolve_interpret(interpret), int(scratch_bytes))
+
+
+def _check_mesh_and_x(mesh, axis_name, x):
+  if axis_name not in mesh.shape:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if x.ndim != 3 or x.shape[0] == 0 or x.shape[1] == 0:
+    raise ValueError(f"x must be (B, T, hidden) with B, T >= 1, got shape {tuple(x.shape)}")
+
+
+def _checked_call(x, w_qkv, bias, *, mesh, axis_name, heads, block_classes, attention, sol_options, sm_scale,
+                  q_norm_weight, k_norm_weight, rope_cos, rope_sin, **proj_kw):
+  if attention not in ATTENTIONS + (None,):
+    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+  _check_mesh_and_x(mesh, axis_name, x)
+  proj = _proj(heads, **proj_kw)
+  devices = mesh.shape[axis_name]
   if heads % devices:
     good = [p for p in range(1, heads + 1) if heads % p == 0]
     raise ValueError(f"Ulysses splits heads over the devices: heads={heads} is not divisible by "
-                     f"P={devices}; use a mesh axis of size in {good}")
-  if x.ndim != 3 or x.shape[0] == 0 or x.shape[1] == 0:
-    raise ValueError(f"x must be (B, T, hidden) with B, T >= 1, got shape {tuple(x.shape)}")
+                     f"P={devices}; use a mesh axis of size in {good} (or ring_attention_layer)")
   opts = _sol_kwargs(sol_options)
   sol_items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
   classes = None if block_classes is None else tuple(int(c) for c in block_classes)
-  return _sharded_jit(x, w_qkv, bias, kw.pop("q_norm_weight"), kw.pop("k_norm_weight"), kw.pop("rope_cos"),
-                      kw.pop("rope_sin"), mesh=mesh, axis_name=axis_name, heads=heads, block_classes=classes,
-                      attention=attention, sol_items=sol_items, scratch_bytes=int(scratch_bytes),
-                      interpret=backend.resolve_interpret(interpret), **kw)
+  return _sharded_jit(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, mesh=mesh,
+                      axis_name=axis_name, block_classes=classes, proj=proj, attention=attention, sm_scale=sm_scale,
+                      sol_items=sol_items)
 
 
 def ulysses_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_norm_weight, k_norm_weight,
@@ -305,11 +339,110 @@ def ulysses_qkv(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_norm_weigh
                        interpret=interpret)
 
 
+def _cut_local(arrays: dict, plan: UlyssesPlan, device: int, meta: fmt.PackedKVMeta) -> dict:
+  """A device's padded stores (capacity slots) -> its own PackedKV arrays."""
+  out = {}
+  for n, a in arrays.items():
+    axis, per_slot = _slot_axis(n, meta)
+    cls = _class_of(n)
+    used = (-(-plan.local_tokens[device] // BLOCK) if cls is None else plan.slots(device, cls)) * per_slot
+    out[n] = jax.lax.slice_in_dim(a, 0, used, axis=axis)
+  return out
+
+
+_RING_STATIC = ("mesh", "axis_name", "block_classes", "proj", "sm_scale")
+
+
+def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, mesh, axis_name, block_classes,
+          proj: _Proj, sm_scale):
+  devices = mesh.shape[axis_name]
+  b, t, _ = x.shape
+  heads, interpret = proj.heads, proj.interpret
+  plan, rows, x, cos, sin, proj_kw, meta_kw = _token_shards(x, rope_cos, rope_sin, devices, axis_name,
+                                                            block_classes, proj)
+  with_bias = bias is not None
+  any_meta = proj.meta(b, heads, 1, (0,))
+  # One branch per distinct source shard: its (static) class map decides the PackedKV.
+  branch_of = plan.branch_index()
+  sources = [branch_of.index(k) for k in range(len(plan.branches()))]
+
+  def attend_from(device):
+    tokens, classes = plan.local_tokens[device], plan.local_classes[device]
+
+    def run(q, arrays):
+      if tokens == 0:  # an empty shard: nothing to attend
+        return jnp.zeros(q.shape, jnp.bfloat16), jnp.full((b, heads, q.shape[1]), -jnp.inf, jnp.float32)
+      packed = fmt.PackedKV(proj.meta(b, heads, tokens, classes), _cut_local(arrays, plan, device, any_meta))
+      return dense.packed_attention(q, packed, sm_scale=sm_scale, interpret=interpret, return_lse=True)
+    return run
+
+  branches = [attend_from(dev) for dev in sources]
+
+  def body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
+    q, arrays = _local_projection(x, cos, sin, w_qkv, bias if with_bias else None, q_norm_weight, k_norm_weight,
+                                  plan=plan, device_meta_kw=meta_kw, proj_kw=proj_kw)
+    me = jax.lax.axis_index(axis_name)
+    which = jnp.asarray(branch_of, jnp.int32)
+    shift = [(j, (j + 1) % devices) for j in range(devices)]
+
+    def attend(step, o_acc, lse_acc, arrays):
+      src = (me - step) % devices               # whose K/V shard this device holds now
+      o, lse = jax.lax.switch(which[src], branches, q, arrays)
+      new = jnp.logaddexp(lse_acc, lse)         # (B, H, S); -inf while no key was seen
+      safe = jnp.where(jnp.isfinite(new), new, 0.0)
+      w_acc = jnp.where(jnp.isfinite(lse_acc), jnp.exp(lse_acc - safe), 0.0)
+      w_new = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe), 0.0)
+      to_rows = lambda w: jnp.transpose(w, (0, 2, 1))[..., None]
+      return o_acc * to_rows(w_acc) + o.astype(jnp.float32) * to_rows(w_new), new
+
+    def step(i, carry):
+      o_acc, lse_acc, arrays = carry
+      o_acc, lse_acc = attend(i, o_acc, lse_acc, arrays)
+      arrays = {n: jax.lax.ppermute(a, axis_name, shift) for n, a in arrays.items()}
+      return o_acc, lse_acc, arrays
+
+    o_acc = jnp.zeros(q.shape, jnp.float32)
+    lse_acc = jnp.full((b, heads, q.shape[1]), -jnp.inf, jnp.float32)
+    o_acc, lse_acc, arrays = jax.lax.fori_loop(0, devices - 1, step, (o_acc, lse_acc, arrays))
+    o_acc, _ = attend(devices - 1, o_acc, lse_acc, arrays)
+    return o_acc.astype(jnp.bfloat16)
+
+  rep = P()
+  shard = jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=P(None, axis_name),
+                        in_specs=(P(None, axis_name), P(axis_name), P(axis_name), rep, rep, rep, rep))
+  bias_arg = bias if with_bias else jnp.zeros((0,), jnp.bfloat16)
+  return shard(x, cos, sin, w_qkv, bias_arg, q_norm_weight, k_norm_weight)[:, :t]
+
+
+_ring_jit = jax.jit(_ring, static_argnames=_RING_STATIC)
+
+
+def ring_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_norm_weight, k_norm_weight,
+                         rope_cos, rope_sin, rot_dim, heads, head_dim, block_classes=None,
+                         k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0,
+                         rotation_seed_v=1, eps=1e-5, sm_scale=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES,
+                         interpret=None):
+  """The dense layer with ring attention over ``axis_name``: any number of devices P
+  (heads need not divide). Each device projects its token shard, keeps its Q and
+  passes its packed K/V shard around the ring with ``ppermute`` (P - 1 hops), attending
+  each shard with the fused kernel, which returns the log-sum-exp that merges the
+  partial outputs. Arguments and output as ``ulysses_attention_layer`` (dense only:
+  Sol routes over the whole sequence at once)."""
+  _check_mesh_and_x(mesh, axis_name, x)
+  proj = _proj(heads, rot_dim=rot_dim, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
+               rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, eps=eps, interpret=interpret,
+               scratch_bytes=scratch_bytes)
+  classes = None if block_classes is None else tuple(int(c) for c in block_classes)
+  return _ring_jit(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, mesh=mesh, axis_name=axis_name,
+                   block_classes=classes, proj=proj, sm_scale=sm_scale)
+
+
 def wire_bytes(num_tokens: int, heads: int, head_dim: int, devices: int, *, batch: int = 1, block_classes=None,
                k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME) -> dict:
-  """Bytes one Ulysses layer puts on the wire, all devices together, the padding each
-  device sends included: ours (Q bf16 + packed K/V out, O bf16 back) against BF16
-  Ulysses (Q, K, V bf16 out, O back). A device keeps 1/P of what it sends."""
+  """Bytes one layer puts on the wire, all devices together, the padding each device
+  sends included. Ulysses: ours (Q bf16 + packed K/V out, O bf16 back) against BF16
+  Ulysses (Q, K, V bf16 out, O back); a device keeps 1/P of what it sends. Ring
+  (``ring_*``): the K/V shards' P - 1 hops, packed against bf16."""
   plan = ulysses_plan(num_tokens, devices, block_classes)
   keep = (devices - 1) / devices
   s = plan.shard_tokens
@@ -321,6 +454,8 @@ def wire_bytes(num_tokens: int, heads: int, head_dim: int, devices: int, *, batc
   ours = {"q": bf16_one, "kv": packed, "o": bf16_one}
   base = {"q": bf16_one, "kv": 2 * bf16_one, "o": bf16_one}
   tot = lambda d: int(sum(d.values()) * devices * keep)
+  # Ring: every device's K/V shard makes P - 1 hops; Q and O stay home.
+  ring = {"ours": packed * devices * (devices - 1), "bf16": 2 * bf16_one * devices * (devices - 1)}
   return {"devices": devices, "ours": tot(ours), "bf16": tot(base), "kv_ours": int(packed * devices * keep),
           "kv_bf16": int(2 * bf16_one * devices * keep), "ratio": tot(ours) / tot(base),
-          "kv_ratio": packed / (2 * bf16_one)}
+          "kv_ratio": packed / (2 * bf16_one), "ring_ours": ring["ours"], "ring_bf16": ring["bf16"]}

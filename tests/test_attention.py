@@ -395,3 +395,31 @@ def test_gpu_kernel_matches_reference(seed, head_dim, k_scheme, v_scheme):
   for keep in (False, True):
     _check(packed_attention(q, packed, interpret=False, keep_rotated=keep, **kw),
            packed_attention_reference(q, packed, keep_rotated=keep, **kw), seed)
+
+
+def test_return_lse_matches_the_reference(seed):
+  """The fused kernel's log-sum-exp (for ring attention's merge) against the float32
+  reference's, with a key mask that hides every key from batch row 1: its rows are
+  -inf and output 0. The streamed method refuses it."""
+  q, packed, _ = _make(seed, tq=100, tkv=150, heads=2, head_dim=64, token_ranges=((0, 64, "int8"),))
+  mask = jnp.asarray(np.stack([np.arange(150) % 5 != 0, np.zeros(150, bool)]))
+  out, lse = packed_attention(q, packed, kv_mask=mask, return_lse=True, block_q=32)
+  ref, ref_lse = packed_attention_reference(q, packed, kv_mask=mask, return_lse=True)
+  assert lse.shape == (2, 2, 100) and lse.dtype == jnp.float32
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  assert np.isneginf(lse[1]).all() and np.isneginf(ref_lse[1]).all()
+  assert np.abs(lse[0] - ref_lse[0]).max() < 0.02, f"seed={seed}"
+  _check(out, ref, seed)
+  assert not np.asarray(out, np.float32)[1].any()
+  with pytest.raises(ValueError, match="return_lse needs method='fused'"):
+    packed_attention(q, packed, return_lse=True, method="streamed")
+
+
+@pytest.mark.gpu
+def test_return_lse_on_gpu(seed):
+  """The Triton kernel with its log-sum-exp output (Triton limits apply here only)."""
+  q, packed, _ = _make(seed, tq=300, tkv=333, token_ranges=((0, 64, "int8"), (320, 333, "bf16")))
+  out, lse = packed_attention(q, packed, return_lse=True, interpret=False)
+  ref, ref_lse = packed_attention_reference(q, packed, return_lse=True)
+  assert np.abs(np.asarray(lse) - np.asarray(ref_lse)).max() < 0.02, f"seed={seed}"
+  _check(out, ref, seed)

@@ -42,6 +42,13 @@ def _worker_on(case: dict, mesh) -> dict:
             k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32), rope_cos=cos, rope_sin=sin,
             rot_dim=rot, heads=h, head_dim=d, block_classes=classes, interpret=case.get("interpret", True))
   rec = {"plan": sp.ulysses_plan(t, devices, classes).local_tokens}
+  if case.get("ring"):
+    ref = layer.attention_layer(x, w, bias, **kw)
+    out = sp.ring_attention_layer(x, w, bias, mesh=mesh, axis_name="sp", **kw)
+    a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    rec.update(out_shape=list(out.shape), out_spec=list(out.sharding.spec), out_finite=bool(np.isfinite(a).all()),
+               out_rel_l2=float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+    return rec
   if case.get("expect_error"):
     try:
       sp.ulysses_attention_layer(x, w, bias, mesh=mesh, axis_name="sp", **kw)
@@ -106,6 +113,18 @@ def test_ulysses_equals_one_device(case):
   assert rec["out_rel_l2"] < 1e-3, rec["out_rel_l2"]
 
 
+def test_ring_takes_any_device_count():
+  """Ring on 4 devices with 6 heads (Ulysses cannot split them), ragged shards (128,
+  128, 44, 0 rows), mixed classes, batch 2: equal to the one-device layer up to the
+  merge of bf16 partial outputs."""
+  rec = _run(dict(BASE, heads=6, tokens=300, devices=4, batch=2, bias=True, ring=True,
+                  ranges=[[0, 300, "int4"], [0, 64, "int8"], [260, 300, "bf16"]]))
+  assert rec["plan"] == [128, 128, 44, 0]
+  assert rec["out_shape"] == [2, 300, 6, 64] and rec["out_spec"][:2] == [None, "sp"]
+  assert rec["out_finite"]
+  assert rec["out_rel_l2"] < 1e-2, rec["out_rel_l2"]
+
+
 def test_heads_not_divisible_names_the_sizes_that_work():
   rec = _run(dict(BASE, tokens=128, devices=3, expect_error=True))
   assert rec["error"] and "not divisible by P=3" in rec["error"] and "[1, 2, 4, 8]" in rec["error"]
@@ -125,6 +144,7 @@ def test_plan_and_wire_bytes():
   s = -(-152_263 // (8 * 64)) * 64
   assert wb["bf16"] == 7 * s * 56 * 128 * 2 * 4      # Q, K, V out and O back, 7/8 of 8 shards
   assert wb["ratio"] < 0.7
+  assert abs(wb["ring_ours"] / wb["ring_bf16"] - wb["kv_ratio"]) < 1e-9
   with pytest.raises(ValueError, match="positive"):
     sp.ulysses_plan(0, 4)
 
@@ -151,5 +171,8 @@ def test_one_gpu_mesh_lowers_and_matches():
   rec_case = dict(BASE, tokens=1000, devices=1, head_dim=128, rot_dim=96, hidden=256,
                   ranges=[[0, 1000, "int4"], [0, 128, "int8"]], interpret=None)
   assert jax.default_backend() == "gpu"
-  rec = _worker_on(rec_case, Mesh(np.array(jax.devices()[:1]), ("sp",)))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+  rec = _worker_on(rec_case, mesh)
   assert rec["q_equal"] and rec["out_finite"] and rec["out_rel_l2"] < 1e-3, rec
+  rec = _worker_on(dict(rec_case, ring=True), mesh)   # the ring's one hop: fused kernel with its LSE
+  assert rec["out_finite"] and rec["out_rel_l2"] < 1e-2, rec
