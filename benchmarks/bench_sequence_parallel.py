@@ -9,6 +9,8 @@ Variants, each (variant, P, T) in a fresh process (``--child``):
   projection per token shard, Q + packed K/V all-to-all, dense attention per head group);
 * ``bf16``: the Ulysses layer users run today (xDiT/USP): per shard ``x @ W`` in bf16,
   QK-norm and RoPE, Q/K/V all-to-all in bf16, cuDNN attention, O all-to-all back;
+* ``ring``: ``sequence_parallel.ring_attention_layer`` (packed K/V shards around the
+  ring, the fused kernel per shard, log-sum-exp merge): any P;
 * ``one``: ``layer.attention_layer`` on one device (P = 1).
 
 Per row: median time, each device's peak (device level: the lowest ``cudaMemGetInfo``
@@ -108,6 +110,9 @@ def child(cfg: dict) -> dict:
   if variant == "ours":
     fn = lambda i: sp.ulysses_attention_layer(i["x"], i["w"], mesh=mesh, axis_name="sp", **common_args(i), **kw)
     rec["wire"] = sp.wire_bytes(t, h, d, p)
+  elif variant == "ring":
+    fn = lambda i: sp.ring_attention_layer(i["x"], i["w"], mesh=mesh, axis_name="sp", **common_args(i), **kw)
+    rec["wire"] = {k: v for k, v in sp.wire_bytes(t, h, d, p).items() if k.startswith("ring")}
   elif variant == "bf16":
     fn = bf16_ulysses_fn(mesh, "sp", shape)
     rec["wire"] = sp.wire_bytes(t, h, d, p)["bf16"]
@@ -157,7 +162,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tokens", default=str(USER_TOKENS), help="comma-separated T")
   ap.add_argument("--devices", default="2,4,8", help="comma-separated P (those above the card count are skipped)")
-  ap.add_argument("--variants", default="one,bf16,ours")
+  ap.add_argument("--variants", default="one,bf16,ours,ring")
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--timeout", type=int, default=300, help="seconds per child")
   ap.add_argument("--cpu-smoke", action="store_true", help="4 host CPU devices, a tiny layer, interpret mode")
@@ -185,7 +190,7 @@ def main(argv=None):
   rows = []
   for t in (tokens if devices else []):
     plan = [("one", 1)] if "one" in args.variants else []
-    plan += [(v, p) for p in devices for v in ("bf16", "ours") if v in args.variants]
+    plan += [(v, p) for p in devices for v in ("bf16", "ours", "ring") if v in args.variants]
     for variant, p in plan:
       if p > cards:
         continue

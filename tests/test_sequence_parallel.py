@@ -156,8 +156,8 @@ def test_benchmark_cpu_smoke(tmp_path):
                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rec = json.loads(out.read_text())
-  assert {(r["variant"], r["devices"]) for r in rec["rows"]} == {("one", 1), ("bf16", 2), ("ours", 2), ("bf16", 4),
-                                                                 ("ours", 4)}
+  assert {(r["variant"], r["devices"]) for r in rec["rows"]} == {("one", 1)} | {
+      (v, p) for v in ("bf16", "ours", "ring") for p in (2, 4)}
   assert all(r["ok"] for r in rec["rows"]), [r.get("error") for r in rec["rows"]]
   assert rec["wire_bytes_h3_152k"]["8"]["ratio"] < 0.7
 
