@@ -16,9 +16,12 @@ Variants, each (variant, P, T) in a fresh process (``--child``):
 Per row: median time, each device's peak (device level: the lowest ``cudaMemGetInfo``
 free of every card during a call, against its free memory before), and the bytes each
 variant puts on the wire (``sequence_parallel.wire_bytes``: computed from the arrays
-exchanged, padding included). Writes ``benchmarks/results/sequence_parallel_<card>_<date>.json``
+exchanged, padding included). ``--max-tokens`` then searches the largest T that
+completes with ``--budget-gib`` free per card (default the user's 11.94), on one GPU and
+with Ulysses at the largest P. Writes ``benchmarks/results/sequence_parallel_<card>_<date>.json``
 and the scorecard: ``sp.wire_bytes_vs_bf16`` (always, from buffer sizes at H3 shape,
-P = 8), ``sp.ulysses8_speedup_152k`` when P = 8 ran at T = 152,263.
+P = 8), ``sp.ulysses8_speedup_152k`` when P = 8 ran at T = 152,263,
+``sp.max_tokens_ratio_p8`` when the search ran at P = 8.
 """
 from __future__ import annotations
 
@@ -87,6 +90,14 @@ def child(cfg: dict) -> dict:
   shape, t, p, variant = cfg["shape"], cfg["tokens"], cfg["devices"], cfg["variant"]
   on_gpu = jax.default_backend() == "gpu"
   rec = dict(cfg)
+  hogs = []
+  if cfg.get("budget_gib") and on_gpu:  # leave exactly budget_gib free on each card of the mesh
+    import torch
+    for i in range(p):
+      free = torch.cuda.mem_get_info(i)[0]
+      extra = free - int(cfg["budget_gib"] * common.GIB)
+      if extra > 0:
+        hogs.append(torch.empty(extra, dtype=torch.uint8, device=f"cuda:{i}"))
   rng = np.random.default_rng(0)
   hid, h, d, rot = shape["hidden"], shape["heads"], shape["head_dim"], shape["rot_dim"]
   mesh = Mesh(np.array(jax.devices()[:p]), ("sp",))
@@ -158,6 +169,27 @@ def run_child(cfg, timeout, env_extra=None) -> dict:
   return json.loads(lines[-1][len("RESULT "):])
 
 
+def largest_tokens(variant, devices, args, env_extra, step=16_384) -> dict:
+  """The largest T (a multiple of ``step``) whose layer completes with ``--budget-gib``
+  free per card: doubling from T = 152,263's step, then bisection; at most
+  ``--search-runs`` children."""
+  ok_t, bad_t, tried = 0, None, []
+  t = -(-USER_TOKENS // step) * step
+  for _ in range(args.search_runs):
+    rec = run_child(dict(shape=H3, tokens=t, devices=devices, variant=variant, runs=1, budget_gib=args.budget_gib),
+                    args.timeout, env_extra)
+    tried.append({"tokens": t, "ok": bool(rec.get("ok")), "error": rec.get("error")})
+    print(f"  search {variant} P={devices} T={t}: {'ok' if rec.get('ok') else rec.get('error', 'failed')}", flush=True)
+    if rec.get("ok"):
+      ok_t = t
+    else:
+      bad_t = t
+    t = 2 * ok_t if bad_t is None else (ok_t + bad_t) // 2 // step * step
+    if bad_t is not None and bad_t - ok_t <= step:
+      break
+  return {"variant": variant, "devices": devices, "budget_gib": args.budget_gib, "max_tokens": ok_t, "tried": tried}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tokens", default=str(USER_TOKENS), help="comma-separated T")
@@ -166,6 +198,10 @@ def main(argv=None):
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--timeout", type=int, default=300, help="seconds per child")
   ap.add_argument("--cpu-smoke", action="store_true", help="4 host CPU devices, a tiny layer, interpret mode")
+  ap.add_argument("--max-tokens", action="store_true",
+                  help="also search the largest T per card budget: one GPU and Ulysses at the largest P")
+  ap.add_argument("--budget-gib", type=float, default=11.94, help="free memory per card in the search")
+  ap.add_argument("--search-runs", type=int, default=5)
   ap.add_argument("--out", default=None)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -200,6 +236,9 @@ def main(argv=None):
       peak = max(rec.get("device_peak_bytes") or [0]) / common.GIB
       print(f"T={t:>7} P={p} {variant:5s} ok={rec.get('ok')} time={rec.get('time_s', float('nan')):.4f} s "
             f"max device peak={peak:.2f} GiB {rec.get('error', '')}", flush=True)
+  search = []
+  if args.max_tokens and devices and not args.cpu_smoke:
+    search = [largest_tokens("one", 1, args, env_extra), largest_tokens("ours", max(devices), args, env_extra)]
   # Wire bytes at H3's shape (buffer sizes; no device needed).
   wire = {p: sp.wire_bytes(USER_TOKENS, H3["heads"], H3["head_dim"], p) for p in (2, 4, 8)}
   print(common.table([dict(P=p, ours=w["ours"] / common.GIB, bf16=w["bf16"] / common.GIB, ratio=w["ratio"],
@@ -207,13 +246,15 @@ def main(argv=None):
                      [("P", "P", "{}"), ("ours GiB", "ours", "{:.3f}"), ("bf16 GiB", "bf16", "{:.3f}"),
                       ("layer ratio", "ratio", "{:.3f}"), ("K/V ratio", "kv", "{:.3f}")]))
   out = args.out or common.result_path("sequence_parallel", card)
-  common.write_json(out, common.run_record() | {"card": card, "rows": rows,
+  common.write_json(out, common.run_record() | {"card": card, "rows": rows, "max_tokens": search,
                                                 "wire_bytes_h3_152k": {str(p): w for p, w in wire.items()}})
   entries = {"sp.wire_bytes_vs_bf16": round(wire[8]["ratio"], 4)}
   one = {r["tokens"]: r for r in rows if r["variant"] == "one" and r.get("ok")}
   p8 = [r for r in rows if r["variant"] == "ours" and r["devices"] == 8 and r["tokens"] == USER_TOKENS and r.get("ok")]
   if p8 and USER_TOKENS in one:
     entries["sp.ulysses8_speedup_152k"] = round(one[USER_TOKENS]["time_s"] / p8[0]["time_s"], 3)
+  if len(search) == 2 and search[0]["max_tokens"] and search[1]["devices"] == 8:
+    entries["sp.max_tokens_ratio_p8"] = round(search[1]["max_tokens"] / search[0]["max_tokens"], 3)
   if not args.cpu_smoke:
     common.update_scorecard(entries, card=card if len(entries) > 1 else "buffer sizes (any card)", source=out,
                             command=common.run_record()["command"])
