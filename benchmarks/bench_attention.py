@@ -66,12 +66,18 @@ def reference_rows(q32, k32, v32, rows, chunk=32):
 
   @jax.jit
   def one(qr, k, v):  # k, v are arguments: a closure would bake them into the program
-    def head(args):
-      qh, kh, vh = args
+    def head(h):  # one head's K/V slice at a time: no transposed copy of all of K and V
+      kh = jax.lax.dynamic_index_in_dim(k[0], h, 1, keepdims=False)
+      vh = jax.lax.dynamic_index_in_dim(v[0], h, 1, keepdims=False)
+      qh = jax.lax.dynamic_index_in_dim(qr, h, 1, keepdims=False)
       return jax.nn.softmax(qh @ kh.T / np.sqrt(d), -1) @ vh
-    return jax.lax.map(head, (qr.transpose(1, 0, 2), k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)))
+    return jax.lax.map(head, jnp.arange(qr.shape[1]))
 
-  outs = [np.asarray(one(q32[0, rows[i:i + chunk]], k32, v32)).transpose(1, 0, 2)
+  # On the host CPU: at T = 152k the f32 K and V already fill the card next to the
+  # benchmark's own buffers, and a few query rows are cheap there.
+  cpu = jax.devices("cpu")[0]
+  k32, v32 = jax.device_put(k32, cpu), jax.device_put(v32, cpu)
+  outs = [np.asarray(one(jax.device_put(q32[0, rows[i:i + chunk]], cpu), k32, v32)).transpose(1, 0, 2)
           for i in range(0, len(rows), chunk)]
   return np.concatenate(outs, 0)
 
