@@ -50,7 +50,9 @@ def build(tokens, heads, head_dim, prefix, seed=0):
   shape = h3_layer.LayerShape(tokens=tokens, hidden=min(5376, 64 * heads), heads=heads, head_dim=head_dim,
                               rot_dim=3 * head_dim // 4, prefix_tokens=prefix, prefix_class="int8")
   inp = h3_layer.make_inputs(shape, seed=seed)
-  q32, k32, v32 = h3_layer.project_reference(inp, shape, jnp.float32)
+  # One jitted program: its float32 temporaries (the 13 GB QKV at T = 152k) live inside
+  # XLA and are freed at once, instead of eager buffers fragmenting the BFC pool.
+  q32, k32, v32 = jax.jit(lambda i: h3_layer.project_reference(i, shape, jnp.float32))(inp)
   del inp
   meta = fmt.PackedKVMeta(1, heads, head_dim, tokens, shape.block_classes)
   r_k = jnp.asarray(fmt.hadamard_rotation(head_dim, meta.rotation_seed_k))
