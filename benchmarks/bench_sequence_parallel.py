@@ -108,12 +108,12 @@ def child(cfg: dict) -> dict:
   x[:, :t] = rng.normal(size=(1, t, hid)).astype(np.float32)
   ang = np.arange(rows)[:, None] * 1e4 ** (-np.arange(rot // 2) / (rot // 2))
   cos, sin = rope.rope_tables(ang, d)
-  put = (lambda a, s=None: jax.device_put(a, s)) if variant != "one" else (lambda a, s=None: jax.device_put(a))
+  by_rows = NamedSharding(mesh, P("sp")) if variant != "one" else None    # RoPE tables (T, D)
+  put = jax.device_put                                                     # sharding None: one device
   inp = dict(x=put(jnp.asarray(x, jnp.bfloat16), by_tokens),
              w=put(jnp.asarray(rng.normal(size=(hid, 3 * h * d)) / np.sqrt(hid), jnp.bfloat16)),
              q_norm_weight=put(jnp.ones((d,), jnp.float32)), k_norm_weight=put(jnp.ones((d,), jnp.float32)),
-             rope_cos=put(jnp.asarray(cos), NamedSharding(mesh, P("sp")) if variant != "one" else None),
-             rope_sin=put(jnp.asarray(sin), NamedSharding(mesh, P("sp")) if variant != "one" else None))
+             rope_cos=put(jnp.asarray(cos), by_rows), rope_sin=put(jnp.asarray(sin), by_rows))
   del x
   kw = dict(rot_dim=rot, heads=h, head_dim=d, interpret=None if on_gpu else True)
   common_args = lambda i: dict(q_norm_weight=i["q_norm_weight"], k_norm_weight=i["k_norm_weight"],

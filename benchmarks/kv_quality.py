@@ -255,14 +255,19 @@ def evaluate(layers: dict, rows: dict, ropes: dict) -> list:
     for name, (q, k, v) in layers.items():
       kd, vd = fn(k, v, ropes[name])
       per[name] = metrics(attention(q, kd.astype(np.float32), vd.astype(np.float32)), refs[name])
-    cos = [m["cos"] for m in per.values()]
-    rec = {"row": row, "layers": per, "median_cos": float(np.median(cos)), "worst_cos": float(min(cos)),
-           "median_rel_l1": float(np.median([m["rel_l1"] for m in per.values()])),
-           "worst_head_cos": float(min(m["worst_head_cos"] for m in per.values()))}
-    out.append(rec)
-    print(f"  {row:45s} median cos {rec['median_cos']:.5f}  worst {rec['worst_cos']:.5f}  "
-          f"rel L1 {rec['median_rel_l1']:.4f}  worst head {rec['worst_head_cos']:.4f}", flush=True)
+    out.append(_record(row, per))
   return out
+
+
+def _record(row: str, per: dict, **extra) -> dict:
+  """One row's record from its per-layer metrics: median and worst layer; printed."""
+  cos = [m["cos"] for m in per.values()]
+  rec = {"row": row, "layers": per, "median_cos": float(np.median(cos)), "worst_cos": float(min(cos)),
+         "median_rel_l1": float(np.median([m["rel_l1"] for m in per.values()])),
+         "worst_head_cos": float(min(m["worst_head_cos"] for m in per.values())), **extra}
+  print(f"  {row:45s} median cos {rec['median_cos']:.5f}  worst {rec['worst_cos']:.5f}  "
+        f"rel L1 {rec['median_rel_l1']:.4f}  worst head {rec['worst_head_cos']:.4f}", flush=True)
+  return rec
 
 
 def per_head_rows(layers: dict, counts=(1, 2, 3, 6)) -> list:
@@ -289,14 +294,8 @@ def per_head_rows(layers: dict, counts=(1, 2, 3, 6)) -> list:
         if (name, h) in chosen:
           kd[:, h] = lever_roundtrip(k[:, h:h + 1], v[:, h:h + 1], dataclasses.replace(base, k_bits=8))[0][:, 0]
       per[name] = metrics(attention(q, kd.astype(np.float32), vd.astype(np.float32)), refs[name])
-    cos = [m["cos"] for m in per.values()]
-    bits = base.bits() + n / len(ranked) * (8 - 4) / 2
-    records.append({"row": f"lever: 16-bit, int8 K on the {n} worst of {len(ranked)} K/V heads", "layers": per,
-                    "median_cos": float(np.median(cos)), "worst_cos": float(min(cos)), "bits_d128": bits,
-                    "median_rel_l1": float(np.median([m["rel_l1"] for m in per.values()])),
-                    "worst_head_cos": float(min(m["worst_head_cos"] for m in per.values()))})
-    print(f"  {records[-1]['row']:45s} median cos {np.median(cos):.5f}  worst {min(cos):.5f}  bits {bits:.3f}",
-          flush=True)
+    records.append(_record(f"lever: 16-bit, int8 K on the {n} worst of {len(ranked)} K/V heads", per,
+                           bits_d128=base.bits() + n / len(ranked) * (8 - 4) / 2))
   return records
 
 

@@ -256,6 +256,7 @@ def streamed_qkv(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos,
                        rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
                        rotation_seed_k, rotation_seed_v)
   qkv_fused.check_tiles(heads, block_q, block_h, q_heads_per_program, kv_blocks_per_program)
+  gemm_dtype = _gemm_dtype(gemm_dtype)  # checked whichever method runs
   interpret = backend.resolve_interpret(interpret)
   b, t, hidden = x.shape
   width = 3 * heads * head_dim
@@ -272,4 +273,4 @@ def streamed_qkv(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos,
                                kv_blocks_per_program=kv_blocks_per_program)
   rows = chunk_rows(t, hidden, width, scratch_bytes)
   return _chunked(x, w_qkv, bias, cos, sin, consts, meta, rows=rows, eps=eps, interpret=interpret,
-                  num_warps=int(epilogue_num_warps), gemm_dtype=_gemm_dtype(gemm_dtype))
+                  num_warps=int(epilogue_num_warps), gemm_dtype=gemm_dtype)

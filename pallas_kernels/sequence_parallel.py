@@ -115,10 +115,16 @@ def _class_of(name: str) -> str | None:
   return {"4": "int4", "8": "int8", "6": "bf16"}[name[-1]]
 
 
-def _capacity(plan: UlyssesPlan, name: str) -> int:
-  """Slots of ``name`` every device sends (stats: one per block of the shard)."""
+def _extent(plan: UlyssesPlan, name: str, meta: fmt.PackedKVMeta, device: int | None = None) -> tuple[int, int]:
+  """(slot axis, its length) of array ``name``: the padded capacity every device sends
+  (stats: one per block of the shard), or with ``device`` that device's own slots."""
+  axis, per_slot = _slot_axis(name, meta)
   cls = _class_of(name)
-  return plan.shard_tokens // BLOCK if cls is None else plan.capacity[fmt.CLASSES.index(cls)]
+  if device is None:
+    slots = plan.shard_tokens // BLOCK if cls is None else plan.capacity[fmt.CLASSES.index(cls)]
+  else:
+    slots = -(-plan.local_tokens[device] // BLOCK) if cls is None else plan.slots(device, cls)
+  return axis, slots * per_slot
 
 
 def _pad_axis(a, axis, size):
@@ -127,44 +133,36 @@ def _pad_axis(a, axis, size):
   return jnp.pad(a, pad)
 
 
-def _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, *, plan, device_meta_kw, proj_kw):
+def _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, *, plan, proj, axis_name):
   """This device's rows -> (Q (B, S, H, D), {name: padded store}), via one switch branch
   per distinct local class map."""
   b, s, _ = x.shape
-  heads, head_dim = device_meta_kw["heads"], device_meta_kw["head_dim"]
 
   def branch(tokens, classes):
     def run(x, cos, sin):
-      meta = fmt.PackedKVMeta(b, heads, head_dim, max(tokens, 1), classes or (0,), device_meta_kw["k_scheme"],
-                              device_meta_kw["v_scheme"])
       if tokens == 0:  # an empty shard sends padding only
-        q = jnp.zeros((b, s, heads, head_dim), jnp.bfloat16)
+        meta = proj.meta(b, proj.heads, 1, (0,))   # any meta: only the padded shapes are read
+        q = jnp.zeros((b, s, proj.heads, proj.head_dim), jnp.bfloat16)
         arrays = {n: jnp.zeros(_padded_shape(shape, n, meta, plan), dt)
                   for n, (shape, dt) in fmt.buffer_specs(meta).items()}
         return q, arrays
       q, packed = sq.streamed_qkv(x[:, :tokens], w_qkv, bias, q_norm_weight=q_norm_weight,
                                   k_norm_weight=k_norm_weight, rope_cos=cos[:tokens], rope_sin=sin[:tokens],
-                                  block_classes=classes, **proj_kw)
-      q = _pad_axis(q, 1, s)
-      arrays = {}
-      for n, a in packed.arrays.items():
-        axis, per_slot = _slot_axis(n, packed.meta)
-        arrays[n] = _pad_axis(a, axis, _capacity(plan, n) * per_slot)
-      return q, arrays
+                                  block_classes=classes, **dataclasses.asdict(proj))
+      arrays = {n: _pad_axis(a, *_extent(plan, n, packed.meta)) for n, a in packed.arrays.items()}
+      return _pad_axis(q, 1, s), arrays
     return run
 
   branches = [branch(t, c) for t, c in plan.branches()]
   if len(branches) == 1:
     return branches[0](x, cos, sin)
-  which = jnp.asarray(plan.branch_index(), jnp.int32)[jax.lax.axis_index(device_meta_kw["axis_name"])]
+  which = jnp.asarray(plan.branch_index(), jnp.int32)[jax.lax.axis_index(axis_name)]
   return jax.lax.switch(which, branches, x, cos, sin)
 
 
 def _padded_shape(shape, name, meta, plan):
-  axis, per_slot = _slot_axis(name, meta)
-  out = list(shape)
-  out[axis] = _capacity(plan, name) * per_slot
-  return tuple(out)
+  axis, size = _extent(plan, name, meta)
+  return tuple(size if i == axis else n for i, n in enumerate(shape))
 
 
 def _gather_tokens(arrays: dict, plan: UlyssesPlan, meta: fmt.PackedKVMeta) -> dict:
@@ -172,12 +170,10 @@ def _gather_tokens(arrays: dict, plan: UlyssesPlan, meta: fmt.PackedKVMeta) -> d
   stores: static slices of each device's real slots, in device order."""
   out = {}
   for n, a in arrays.items():
-    axis, per_slot = _slot_axis(n, meta)
-    cap = _capacity(plan, n) * per_slot
-    cls = _class_of(n)
+    axis, cap = _extent(plan, n, meta)
     parts = []
     for p in range(plan.devices):
-      used = (-(-plan.local_tokens[p] // BLOCK) if cls is None else plan.slots(p, cls)) * per_slot
+      used = _extent(plan, n, meta, p)[1]
       if used:
         parts.append(jax.lax.slice_in_dim(a, p * cap, p * cap + used, axis=axis))
     if not parts:  # no device has a block of this class: the store is empty
@@ -205,16 +201,24 @@ class _Proj:
                             self.rotation_seed_k, self.rotation_seed_v)
 
 
-def _token_shards(x, rope_cos, rope_sin, devices, axis_name, block_classes, proj: _Proj):
-  """(plan, padded rows, x, cos, sin padded to P x S rows, streamed_qkv's keywords,
-  the local projection's format keywords)."""
+def _token_shards(x, rope_cos, rope_sin, devices, block_classes):
+  """(plan, padded rows, x, cos, sin padded to P x S rows)."""
   plan = ulysses_plan(x.shape[1], devices, block_classes)
   rows = devices * plan.shard_tokens
   pad = lambda a, axis: _pad_axis(a, axis, rows)
-  proj_kw = dataclasses.asdict(proj)
-  meta_kw = {k: proj_kw[k] for k in ("heads", "head_dim", "k_scheme", "v_scheme")} | {"axis_name": axis_name}
-  return (plan, rows, pad(x, 1), pad(rope_cos.astype(jnp.float32), 0), pad(rope_sin.astype(jnp.float32), 0),
-          proj_kw, meta_kw)
+  return plan, rows, pad(x, 1), pad(rope_cos.astype(jnp.float32), 0), pad(rope_sin.astype(jnp.float32), 0)
+
+
+def _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
+  """``body(x, cos, sin, w_qkv, bias or None, q_norm_weight, k_norm_weight)`` per device
+  under shard_map: x, cos and sin split by tokens, the rest replicated."""
+  with_bias = bias is not None
+  rep = P()
+  shard = jax.shard_map(lambda x, c, s, w, bb, qn, kn: body(x, c, s, w, bb if with_bias else None, qn, kn),
+                        mesh=mesh, check_vma=False, out_specs=out_specs,
+                        in_specs=(P(None, axis_name), P(axis_name), P(axis_name), rep, rep, rep, rep))
+  return shard(x, cos, sin, w_qkv, bias if with_bias else jnp.zeros((0,), jnp.bfloat16), q_norm_weight,
+               k_norm_weight)
 
 
 _STATIC = ("mesh", "axis_name", "block_classes", "proj", "attention", "sm_scale", "sol_items")
@@ -228,14 +232,12 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
   devices = mesh.shape[axis_name]
   b, t, _ = x.shape
   heads, interpret = proj.heads, proj.interpret
-  plan, rows, x, cos, sin, proj_kw, meta_kw = _token_shards(x, rope_cos, rope_sin, devices, axis_name,
-                                                            block_classes, proj)
+  plan, rows, x, cos, sin = _token_shards(x, rope_cos, rope_sin, devices, block_classes)
   local_meta = proj.meta(b, heads // devices, t, plan.block_classes)
-  with_bias = bias is not None
 
   def body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
-    q, arrays = _local_projection(x, cos, sin, w_qkv, bias if with_bias else None, q_norm_weight, k_norm_weight,
-                                  plan=plan, device_meta_kw=meta_kw, proj_kw=proj_kw)
+    q, arrays = _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, plan=plan, proj=proj,
+                                  axis_name=axis_name)
     # Tokens -> heads. Every packed array is (B, H, ...): heads split, slot axis gathered.
     a2a = functools.partial(jax.lax.all_to_all, axis_name=axis_name, tiled=True)
     q = a2a(q, split_axis=2, concat_axis=1)[:, :t]                       # (B, T, H/P, D)
@@ -251,14 +253,10 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
     # Heads -> tokens.
     return a2a(_pad_axis(o, 1, rows), split_axis=1, concat_axis=2)       # (B, S, H, D)
 
-  rep = P()
   by_heads = P(None, axis_name)                                          # packed arrays: (B, H, ...)
   out_specs = ((P(None, None, axis_name), {n: by_heads for n in fmt.ARRAY_NAMES}) if attention is None
                else P(None, axis_name))
-  shard = jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=out_specs,
-                        in_specs=(P(None, axis_name), P(axis_name), P(axis_name), rep, rep, rep, rep))
-  bias_arg = bias if with_bias else jnp.zeros((0,), jnp.bfloat16)
-  out = shard(x, cos, sin, w_qkv, bias_arg, q_norm_weight, k_norm_weight)
+  out = _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight)
   if attention is None:
     q, arrays = out
     return q, fmt.PackedKV(proj.meta(b, heads, t, plan.block_classes), arrays)
@@ -343,9 +341,7 @@ def _cut_local(arrays: dict, plan: UlyssesPlan, device: int, meta: fmt.PackedKVM
   """A device's padded stores (capacity slots) -> its own PackedKV arrays."""
   out = {}
   for n, a in arrays.items():
-    axis, per_slot = _slot_axis(n, meta)
-    cls = _class_of(n)
-    used = (-(-plan.local_tokens[device] // BLOCK) if cls is None else plan.slots(device, cls)) * per_slot
+    axis, used = _extent(plan, n, meta, device)
     out[n] = jax.lax.slice_in_dim(a, 0, used, axis=axis)
   return out
 
@@ -358,9 +354,7 @@ def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, m
   devices = mesh.shape[axis_name]
   b, t, _ = x.shape
   heads, interpret = proj.heads, proj.interpret
-  plan, rows, x, cos, sin, proj_kw, meta_kw = _token_shards(x, rope_cos, rope_sin, devices, axis_name,
-                                                            block_classes, proj)
-  with_bias = bias is not None
+  plan, _, x, cos, sin = _token_shards(x, rope_cos, rope_sin, devices, block_classes)
   any_meta = proj.meta(b, heads, 1, (0,))
   # One branch per distinct source shard: its (static) class map decides the PackedKV.
   branch_of = plan.branch_index()
@@ -379,8 +373,8 @@ def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, m
   branches = [attend_from(dev) for dev in sources]
 
   def body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
-    q, arrays = _local_projection(x, cos, sin, w_qkv, bias if with_bias else None, q_norm_weight, k_norm_weight,
-                                  plan=plan, device_meta_kw=meta_kw, proj_kw=proj_kw)
+    q, arrays = _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, plan=plan, proj=proj,
+                                  axis_name=axis_name)
     me = jax.lax.axis_index(axis_name)
     which = jnp.asarray(branch_of, jnp.int32)
     shift = [(j, (j + 1) % devices) for j in range(devices)]
@@ -407,11 +401,8 @@ def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, m
     o_acc, _ = attend(devices - 1, o_acc, lse_acc, arrays)
     return o_acc.astype(jnp.bfloat16)
 
-  rep = P()
-  shard = jax.shard_map(body, mesh=mesh, check_vma=False, out_specs=P(None, axis_name),
-                        in_specs=(P(None, axis_name), P(axis_name), P(axis_name), rep, rep, rep, rep))
-  bias_arg = bias if with_bias else jnp.zeros((0,), jnp.bfloat16)
-  return shard(x, cos, sin, w_qkv, bias_arg, q_norm_weight, k_norm_weight)[:, :t]
+  return _shard_call(body, mesh, axis_name, P(None, axis_name), x, cos, sin, w_qkv, bias, q_norm_weight,
+                     k_norm_weight)[:, :t]
 
 
 _ring_jit = jax.jit(_ring, static_argnames=_RING_STATIC)

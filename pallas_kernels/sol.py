@@ -247,16 +247,16 @@ def _unrotation(meta) -> jax.Array:
   return jnp.asarray(fmt.hadamard_rotation(meta.head_dim, meta.rotation_seed_k).T, jnp.float32)
 
 
-def _pooled_keys(packed, lengths):
+def _pooled_keys(packed, lengths, unrotation):
   """(k_mean over live rows, kg, kvar): (B,H,NB,D), (B,H,D), (B,H,D) f32; kvar per
-  channel of the caller's (un-rotated) basis."""
+  channel of the caller's basis (``unrotation`` = ``_unrotation(meta)``)."""
   meta = packed.meta
   rows = np.minimum(meta.num_tokens - np.arange(meta.num_blocks) * BLOCK, BLOCK).astype(np.float32)
   km = packed.k_mean
   if lengths is not None:
     km = km * (jnp.asarray(rows) / lengths.astype(jnp.float32))[None, None, :, None]
   kg = km.mean(axis=2)
-  kcc_caller = jnp.einsum("bhnd,de->bhne", km - kg[:, :, None], _unrotation(meta), precision=lax.Precision.HIGHEST)
+  kcc_caller = jnp.einsum("bhnd,de->bhne", km - kg[:, :, None], unrotation, precision=lax.Precision.HIGHEST)
   kvar = jnp.square(kcc_caller).mean(axis=2)
   return km, kg, kvar
 
@@ -292,8 +292,8 @@ def _route_rows(cen, kcc, kvar, qb, plan: _Plan, unrotation):
 
   cen (B, H, C, D) centroids of query blocks ``qb`` (C,), kcc (B, H, NB, D) centred
   block means, both rotated; kvar (B, H, D) in the caller's basis, where
-  ``unrotation`` (D, D) takes the centroids for the threshold. Returns (routed (B, H, C, NB) bool, scores, wanted
-  (B, H, C) int32): routed holds the diagonal and the routed blocks minus the sink
+  ``unrotation`` (D, D) takes the centroids for the threshold. Returns (routed
+  (B, H, C, NB) bool, scores, wanted (B, H, C) int32): routed holds the diagonal and the routed blocks minus the sink
   range, after the ``max_exact`` cut; ``sink_q`` rows route nothing (they are dense);
   ``wanted`` counts the blocks before the cut.
   """
@@ -393,7 +393,8 @@ def _routing_impl(q, packed, block_len, plan: _Plan, chunk_bytes: int) -> SolRou
   meta = packed.meta
   b, h, nb = meta.batch, meta.heads, meta.num_blocks
   lengths = block_lengths(meta.num_tokens, block_len)
-  km, kg, kvar = _pooled_keys(packed, lengths if block_len is not None else None)
+  unrotation = _unrotation(meta)
+  km, kg, kvar = _pooled_keys(packed, lengths if block_len is not None else None, unrotation)
   kcc = km - kg[:, :, None]
   cen = _centroids(q, lengths)
   cap = plan.max_exact
@@ -407,7 +408,7 @@ def _routing_impl(q, packed, block_len, plan: _Plan, chunk_bytes: int) -> SolRou
 
   def chunk(args):
     cen_c, qb_c = args
-    routed, _, wanted = _route_rows(cen_c, kcc, kvar, qb_c, plan, _unrotation(meta))
+    routed, _, wanted = _route_rows(cen_c, kcc, kvar, qb_c, plan, unrotation)
     # Unrouted blocks get distinct out-of-range slots, so every index is unique and
     # the scatter is plain stores (no collision handling) that drop the unrouted.
     pos = jnp.where(routed, jnp.cumsum(routed, axis=-1, dtype=jnp.int32) - 1, cap + j.astype(jnp.int32))
@@ -470,11 +471,12 @@ def _reference_jit(q, packed, key_bias, block_len, *, plan, keep_rotated):
   b, t, h, d = q.shape
   nb = plan.num_blocks
   lengths = block_lengths(t, block_len)
-  km, kg, kvar = _pooled_keys(packed, lengths if block_len is not None else None)
+  unrotation = _unrotation(meta)
+  km, kg, kvar = _pooled_keys(packed, lengths if block_len is not None else None, unrotation)
   kcc = km - kg[:, :, None]
   cen = _centroids(q, lengths)
   j = jnp.arange(nb)
-  routed, proxy, _ = _route_rows(cen, kcc, kvar, j.astype(jnp.int32), plan, _unrotation(meta))
+  routed, proxy, _ = _route_rows(cen, kcc, kvar, j.astype(jnp.int32), plan, unrotation)
   s0, s1 = plan.sink_blocks
   q0, q1 = plan.sink_q
   exact = routed | ((j >= s0) & (j < s1))[None, None, None, :] | ((j >= q0) & (j < q1))[None, None, :, None]
