@@ -1,4 +1,4 @@
-"""PyTorch bridge: the JAX kernels as torch custom ops, with zero-copy DLPack hand-offs.
+"""PyTorch bridge: the JAX kernels as torch custom ops, with zero-copy hand-offs.
 
 Importing this package first sets JAX's GPU allocator policy (see
 ``torch_bridge.allocator``): no preallocated pool and JAX's platform allocator, unless

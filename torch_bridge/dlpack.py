@@ -8,40 +8,43 @@ on CUDA, 64 on CPU where JAX copies anything less),
 and after the hand-off the pointers are compared; any mismatch raises instead of
 silently costing memory.
 
-Stream ordering (CUDA). Both directions go through the DLPack stream protocol:
+Torch -> JAX goes through DLPack. JAX calls ``tensor.__dlpack__(stream=<JAX's stream>)``;
+torch records an event on its *current* stream and makes JAX's stream wait on it, so JAX
+reads the tensor only after all torch work queued before the call. The JAX array holds
+torch's tensor until the array dies, then torch's deleter runs at once (it needs no GIL).
 
-* torch -> JAX: JAX calls ``tensor.__dlpack__(stream=<JAX's external-ready stream>)``;
-  torch records an event on its *current* stream and makes that stream wait on it, so
-  JAX reads the tensor only after all torch work queued before the call.
-* JAX -> torch: ``torch.from_dlpack`` passes torch's current stream; JAX makes that
-  stream wait for the buffer's definition event, so torch work queued after the call
-  sees the finished result.
+JAX -> torch does NOT use DLPack, and this is about memory, not speed. jaxlib's DLPack
+export holds the JAX array from a C++ object whose destructor may run without the GIL, so
+it hands the array to a queue of deferred releases that only ``collect_garbage()`` drains
+(JAX runs it from a ``gc.callbacks`` hook). A tensor from ``torch.from_dlpack(jax_array)``
+therefore keeps its device memory after torch drops it, until Python's garbage collector
+next runs: with gc disabled (or simply between collections) a model loop holds one
+dead Q-sized buffer per call and runs out of memory (issue 36, measured on an H100).
+Instead ``to_torch`` hands torch a small owner object that exposes the buffer through
+``__cuda_array_interface__`` (``__array_interface__`` plus ``torch.from_numpy`` on the
+CPU). torch keeps a plain Python reference to the owner and drops it under the GIL when
+the tensor's storage dies, so the JAX array, and its device memory, go the moment torch
+releases its last view. No private JAX entry point is involved.
 
-No host synchronization happens. Buffer lifetimes are safe under one rule: use the
-bridge's outputs, and free its inputs, on the torch stream that was current when the
-op was called (or synchronize yourself). The reasoning: the op converts its outputs
-to torch (queuing the wait on JAX's work) before it drops its references to the
-inputs, so any later reuse of an input's memory by torch's caching allocator is
-queued after JAX finished reading it; and every kernel the bridge launches reads at
-least one imported torch tensor, so it starts after earlier torch work that may still
-read a JAX-owned output that torch has since freed (JAX recycles that memory as soon
-as torch drops the tensor). The one residual gap: a JAX allocation that depends on no
-torch input and is written before such a kernel (an eager host-to-device constant,
-e.g. Sol's ``block_len`` clamp table) is not ordered after torch's pending reads. The
-default paths launch none; set ``TORCH_BRIDGE_SYNC=1`` to block on every JAX result
-if in doubt (debugging only).
+The array interface carries no stream, so ``to_torch`` waits for the JAX array on the
+host (``block_until_ready``) before torch may queue work on it. The bridge's ops are
+large (milliseconds to seconds), so the wait costs the gap of one kernel launch, and it
+also settles the ordering of inputs: when an op returns, JAX has finished reading them.
+
+Freed JAX memory goes straight back to the driver (the bridge's ``platform`` allocator,
+``torch_bridge.allocator``), whose free waits for work still queued on the device, so
+torch work queued before the drop that still reads the buffer is safe. Use the outputs
+on the torch stream that was current when the op was called, or synchronize yourself.
 
 Mutability: JAX arrays are immutable and XLA assumes nobody writes their memory. A
 torch tensor handed to JAX must not be written by torch while a JAX computation may
-still read it, and tensors returned by the bridge alias JAX buffers: writing them in
-place is allowed only once no JAX array view of them is still in use (the bridge
-keeps none after an op returns).
+still read it. Tensors returned by the bridge are the only reference to their JAX
+buffers (the bridge keeps none after an op returns), so writing them in place is safe.
 """
 from __future__ import annotations
 
-import os
-
 import jax
+import numpy as np
 import torch
 
 from pallas_kernels import backend
@@ -52,7 +55,11 @@ from pallas_kernels import backend
 # imported buffer that is not 64-byte aligned (measured: jax 0.10.2); torch's CPU
 # allocator returns 64-byte aligned memory, numpy's often only 16.
 ALIGN = {"cuda": 32, "cpu": 64}
-SYNC = os.environ.get("TORCH_BRIDGE_SYNC", "0") not in ("", "0", "false")
+# dtypes numpy's array interface cannot name (ml_dtypes): exported as a signed integer
+# of the same width, then viewed as the torch dtype.
+_TORCH_VIEW_DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
+                      "float8_e5m2": torch.float8_e5m2}
+_SAME_WIDTH_INT = {1: "|i1", 2: "<i2"}
 
 
 class BridgeError(ValueError):
@@ -153,12 +160,61 @@ def to_jax(t: torch.Tensor | None, name: str) -> jax.Array | None:
   return a
 
 
+class _JaxBufferOwner:
+  """Keeps one JAX array alive for as long as torch views its buffer.
+
+  torch takes a reference to this object when it builds a tensor from its
+  ``__cuda_array_interface__`` (CUDA) or, through numpy, its ``__array_interface__``
+  (CPU), and drops that reference under the GIL when the tensor's storage is freed:
+  the array dies then, not at the next garbage collection (see the module docstring).
+  """
+
+  def __init__(self, a: jax.Array, typestr: str):
+    self.array = a
+    interface = {"shape": tuple(a.shape), "typestr": typestr, "strides": None,
+                 "data": (a.unsafe_buffer_pointer(), False), "version": 2}
+    if a.devices().pop().platform == "cpu":
+      self.__array_interface__ = dict(interface, version=3)
+    else:
+      self.__cuda_array_interface__ = interface
+
+
+def _torch_device(a: jax.Array) -> torch.device:
+  dev = a.devices().pop()
+  if dev.platform == "cpu":
+    return torch.device("cpu")
+  index = getattr(dev, "local_hardware_id", None)
+  return torch.device("cuda", dev.id if index is None else index)
+
+
+def _torch_dtype(a: jax.Array) -> tuple[torch.dtype, str]:
+  """The torch dtype of ``a`` and the array-interface typestr its buffer crosses as."""
+  name = np.dtype(a.dtype).name
+  if name in _TORCH_VIEW_DTYPES:
+    return _TORCH_VIEW_DTYPES[name], _SAME_WIDTH_INT[np.dtype(a.dtype).itemsize]
+  return torch.from_numpy(np.empty(0, a.dtype)).dtype, np.dtype(a.dtype).str
+
+
 def to_torch(a: jax.Array, name: str) -> torch.Tensor:
-  """A torch view of a JAX array (queued after the array is ready on torch's stream)."""
-  if SYNC:
-    a.block_until_ready()
-  t = torch.from_dlpack(a)
-  if t.numel() and t.data_ptr() != a.unsafe_buffer_pointer():
+  """A torch view of a JAX array, ready to use (waits for JAX on the host), whose buffer
+  is freed the moment torch drops its last reference (see the module docstring)."""
+  if len(a.devices()) != 1:
+    raise BridgeError(f"output {name} is sharded over {len(a.devices())} devices; the bridge "
+                      "hands torch single-device arrays only")
+  dtype, typestr = _torch_dtype(a)
+  device = _torch_device(a)
+  if a.size == 0:
+    return torch.empty(a.shape, dtype=dtype, device=device)
+  a.block_until_ready()
+  owner = _JaxBufferOwner(a, typestr)
+  if device.type == "cpu":
+    t = torch.from_numpy(np.asarray(owner))
+  else:
+    with torch.cuda.device(device):
+      t = torch.as_tensor(owner, device=device)
+  if t.dtype != dtype:
+    t = t.view(dtype)
+  if t.data_ptr() != a.unsafe_buffer_pointer():
     raise BridgeError(f"torch copied JAX output {name} instead of sharing it; this is a bridge bug")
   return t
 

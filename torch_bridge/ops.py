@@ -32,14 +32,14 @@ Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)`
   projection and attention in one JAX call, the output over Q (``pallas_kernels.layer``).
 
 Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
-stream-ordered; read that module's docstring for the stream and lifetime rules). The
-ops are inference-only: no autograd formula is registered, so a backward through them
-raises.
+stream-ordered; outputs are freed the moment torch drops them; read that module's
+docstring for the stream and lifetime rules). The ops are inference-only: no autograd
+formula is registered, so a backward through them raises.
 
 The ops call the public JAX functions (``pallas_kernels.streamed_qkv``,
 ``packed_attention``, ``sol_attention``, ``attention_layer``), which jit their kernels:
 torch and JAX callers share one compilation cache, and a bridge call costs the JAX
-call plus validation and DLPack hand-offs. ``benchmarks/bench_bridge.py`` measures
+call plus validation and the zero-copy hand-offs. ``benchmarks/bench_bridge.py`` measures
 that overhead against calling the same function from JAX. Before each call on a CUDA
 device the bridge gives torch's cached free blocks back to the device
 (``allocator.release_torch_cache``), so JAX can use memory torch no longer does.

@@ -4,7 +4,7 @@ Why a mirror and not a conversion: the torch side must see the very buffers the
 projection kernel wrote, with no copy and no BF16 expansion. ``TorchPackedKV`` holds
 the same named tensors as ``formats.PackedKV`` (one per ``formats.ARRAY_NAMES``) and
 the same ``formats.PackedKVMeta``; ``from_jax`` / ``to_jax`` move between the two
-through DLPack, pointer for pointer.
+pointer for pointer (DLPack one way, the array interface the other: see ``dlpack``).
 
 The metadata crosses as ``PackedKVMeta.to_dict()``: JSON text, or a small uint8
 tensor of that UTF-8 JSON (``meta_to_tensor``) when it must travel with tensors (a
