@@ -325,12 +325,14 @@ def main(argv=None):
   ap.add_argument("--n-blocks", type=int, default=8, help="blocks per pass, each with its own weights")
   ap.add_argument("--passes", type=int, default=2, help="passes over the blocks (diffusion steps)")
   ap.add_argument("--ffn-gib", type=float, default=1.0, help="torch allocation after each block")
-  ap.add_argument("--blocks", default=",".join(BLOCKS), help="user-case rows, in this order")
+  ap.add_argument("--blocks", default=",".join(BLOCKS), help="user-case rows, in this order ('' for none)")
   ap.add_argument("--gc", default="on,off", help="garbage collector states per block: on, off or both")
   ap.add_argument("--no-search", action="store_true", help="skip the largest-T search")
   ap.add_argument("--search-blocks", default="dense,sol,reference")
   ap.add_argument("--search-n-blocks", type=int, default=2, help="blocks per pass in the largest-T search")
   ap.add_argument("--search-runs", type=int, default=5, help="children per block in the largest-T search")
+  ap.add_argument("--overhead-gib", type=float, default=0.25,
+                  help="device peak above required_bytes, where no gc-off user-case row measured it")
   ap.add_argument("--timeout", type=int, default=400, help="seconds per child process")
   ap.add_argument("--deadline-s", type=int, default=None,
                   help="start no child after this many seconds (rows not run say so)")
@@ -350,7 +352,7 @@ def main(argv=None):
   records = []
   print(f"budget {args.budget_gib} GiB free, torch holds {args.held_gib} GiB, T = {args.tokens}, "
         f"{args.n_blocks} blocks x {args.passes} passes, {args.ffn_gib} GiB FFN allocation", flush=True)
-  for block in args.blocks.split(","):
+  for block in filter(None, args.blocks.split(",")):
     for gc_state in args.gc.split(","):
       r = spawn(dict(base, block=block, gc=gc_state, tokens=args.tokens), args.timeout)
       records.append(r)
@@ -366,7 +368,7 @@ def main(argv=None):
       if block == "reference":
         start = args.tokens // 4  # the BF16 block's per-token footprint is about 4x ours
       else:
-        overhead = 0.0
+        overhead = args.overhead_gib
         if user and user.get("ok") and user.get("required_bytes_gib"):
           peak = max(s["peak_above_free_before_gib"] for s in user["steps"][1:])
           overhead = max(0.0, peak - user["required_bytes_gib"]["peak"])
@@ -380,7 +382,7 @@ def main(argv=None):
   out = args.out or common.result_path("card_budget_loop", card)
   rec = common.run_record() | {"card": card, "args": vars(args), "records": records, "max_tokens": max_tokens}
   user_rows = [r for r in records if not r.get("search")]
-  if not args.cpu_smoke:
+  if user_rows and not args.cpu_smoke:
     rec["plot"] = plot(user_rows, out[:-len(".json")] + ".png")
   common.write_json(out, rec)
   rows = {(r["block"], r["gc"]): r for r in user_rows}
