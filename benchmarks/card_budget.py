@@ -331,6 +331,8 @@ def main(argv=None):
   ap.add_argument("--search-blocks", default="dense,sol,reference")
   ap.add_argument("--search-n-blocks", type=int, default=2, help="blocks per pass in the largest-T search")
   ap.add_argument("--search-runs", type=int, default=5, help="children per block in the largest-T search")
+  ap.add_argument("--search-start", default="", help="first T per block, e.g. dense=229376,reference=28672 "
+                  "(default: from required_bytes)")
   ap.add_argument("--overhead-gib", type=float, default=0.25,
                   help="device peak above required_bytes, where no gc-off user-case row measured it")
   ap.add_argument("--timeout", type=int, default=400, help="seconds per child process")
@@ -363,6 +365,7 @@ def main(argv=None):
     from pallas_kernels.layer import required_bytes
     free_budget = (args.budget_gib - args.held_gib) * common.GIB
     search_base = dict(base, n_blocks=args.search_n_blocks, passes=2, gc="off")
+    starts = {k: int(v) for k, v in (item.split("=") for item in filter(None, args.search_start.split(",")))}
     for block in args.search_blocks.split(","):
       user = next((r for r in records if r.get("block") == block and r.get("gc") == "off"), None)
       if block == "reference":
@@ -376,8 +379,8 @@ def main(argv=None):
         while required_bytes(start + STEP, H3["heads"], H3["head_dim"], H3["hidden"], attention=block,
                              scratch_bytes=args.scratch_mib << 20)["peak"] + overhead * common.GIB < free_budget:
           start += STEP
-      max_tokens[block] = search_max_tokens(dict(search_base, block=block), start, args.timeout, records,
-                                            args.search_runs)
+      max_tokens[block] = search_max_tokens(dict(search_base, block=block), starts.get(block, start), args.timeout,
+                                            records, args.search_runs)
       print(f"largest T for {block}: {max_tokens[block]}", flush=True)
   out = args.out or common.result_path("card_budget_loop", card)
   rec = common.run_record() | {"card": card, "args": vars(args), "records": records, "max_tokens": max_tokens}

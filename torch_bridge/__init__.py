@@ -19,6 +19,14 @@ from torch_bridge import allocator
 
 allocator.configure()
 
+# torch imports torch._dynamo lazily, on the first call of any custom op (its
+# disable-dynamo wrapper). That import leaves a reference cycle holding the calling
+# frames, so the first op call's tensors (the block's input and its Q-sized output)
+# would stay allocated until Python's garbage collector next runs: a model loop with
+# gc disabled ran out of memory at its second block (issue 36, H100). Importing it
+# here, before any op runs, keeps that cycle away from the tensors of a call.
+import torch._dynamo  # noqa: E402,F401
+
 from torch_bridge.allocator import allocator_status, check_allocator  # noqa: E402
 from torch_bridge.dlpack import BridgeError, to_jax, to_torch  # noqa: E402
 from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_tensor,  # noqa: E402
