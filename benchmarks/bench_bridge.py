@@ -40,6 +40,7 @@ import formats  # noqa: E402
 from pallas_kernels import attention as jax_attn  # noqa: E402
 from pallas_kernels import backend  # noqa: E402
 from pallas_kernels import projection as jax_qkv  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
 from benchmarks.common import package_versions  # noqa: E402
 from pallas_kernels.rope import rope_3d_angles, rope_tables  # noqa: E402
 from torch_bridge import dlpack  # noqa: E402
@@ -106,12 +107,13 @@ def bench_shape(shape, device, interpret, warmup, iters) -> dict:
   classes = [0] * (-(-t // formats.BLOCK))
 
   scratch = jax_qkv.DEFAULT_SCRATCH_BYTES
-  qkv_args = (x, w, None, qn, kn, cos, sin, rot, h, d, classes, "channel", "token", 0, 1, 1e-5, "auto",
-              scratch, interpret)
+  layout = QKVLayout.h3(h, d, rot)
+  qkv_args = (x, w, None, qn, kn, cos, sin, layout.to_json(), classes, "channel", "token", 0, 1, "auto", scratch,
+              interpret)
   jx, jw = dlpack.to_jax(x, "x"), dlpack.to_jax(w, "w")
   jkw = dict(q_norm_weight=dlpack.to_jax(qn, "qn"), k_norm_weight=dlpack.to_jax(kn, "kn"),
-             rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), rot_dim=rot,
-             heads=h, head_dim=d, block_classes=tuple(classes), interpret=interpret)
+             rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), layout=layout,
+             block_classes=tuple(classes), interpret=interpret)
   out = {"shape": shape}
   out["streamed_qkv"] = _compare(lambda: jax_qkv.streamed_qkv(jx, jw, None, **jkw),
                                  lambda: torch.ops.packed_kv.streamed_qkv(*qkv_args),

@@ -40,6 +40,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from benchmarks import common  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
 
 H3 = dict(hidden=5376, heads=56, head_dim=128, rot_dim=96)
 SMALL = dict(hidden=128, heads=8, head_dim=64, rot_dim=48)
@@ -115,7 +116,7 @@ def child(cfg: dict) -> dict:
              q_norm_weight=put(jnp.ones((d,), jnp.float32)), k_norm_weight=put(jnp.ones((d,), jnp.float32)),
              rope_cos=put(jnp.asarray(cos), by_rows), rope_sin=put(jnp.asarray(sin), by_rows))
   del x
-  kw = dict(rot_dim=rot, heads=h, head_dim=d, interpret=None if on_gpu else True)
+  kw = dict(layout=QKVLayout.h3(h, d, rot), interpret=None if on_gpu else True)
   common_args = lambda i: dict(q_norm_weight=i["q_norm_weight"], k_norm_weight=i["k_norm_weight"],
                                rope_cos=i["rope_cos"], rope_sin=i["rope_sin"])
   if variant == "ours":

@@ -27,6 +27,8 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from benchmarks import common  # noqa: E402
+from pallas_kernels.projection import ProjectionTuning  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
 
 def make_inputs(args):
   """H3-like inputs, built without big temporaries so the peak reading stays clean."""
@@ -60,8 +62,7 @@ def make_inputs(args):
   cos, sin = rope.rope_tables(angles, d)
   kw = dict(q_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
             k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
-            rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin), rot_dim=args.rot_dim,
-            heads=h, head_dim=d)
+            rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin), layout=QKVLayout.h3(h, d, args.rot_dim))
   del k4
   return x, w, kw
 
@@ -113,7 +114,7 @@ def check_subsets(args, q, packed, x, w, kw, classes):
 
   from pallas_kernels.testing import cosine, rel_err
   from formats import packed_kv as fmt
-  from pallas_kernels.projection import reference_rotated_qkv, streamed_qkv_reference
+  from pallas_kernels.projection import projected_qkv_f32, streamed_qkv_reference
 
   nb = packed.meta.num_blocks
   n = max(1, min(args.check_rows // fmt.BLOCK, nb))
@@ -124,7 +125,7 @@ def check_subsets(args, q, packed, x, w, kw, classes):
     xs = x[:, r0:r1]
     q_ref, ref = streamed_qkv_reference(xs, w, **sub_kw, block_classes=classes[b0:b1])
     got = slice_packed(packed, b0, b1)
-    _, k32, v32 = reference_rotated_qkv(xs, w, None, **sub_kw)
+    _, k32, v32 = projected_qkv_f32(xs, w, None, **sub_kw)
     kd, vd = jax.jit(fmt.dequantize_reference)(got)
     kr, vr = jax.jit(fmt.dequantize_reference)(ref)
     qs = np.asarray(q[:, r0:r1], np.float32)
@@ -161,8 +162,10 @@ def check_subsets(args, q, packed, x, w, kw, classes):
 VARIANTS = (("chunked_128mib", dict(method="chunked", scratch_bytes=128 << 20)),
             ("chunked_512mib", dict(method="chunked", scratch_bytes=512 << 20)),
             ("chunked_2gib", dict(method="chunked", scratch_bytes=2 << 30)),
-            ("chunked_512mib_epilogue_8warps", dict(method="chunked", scratch_bytes=512 << 20, epilogue_num_warps=8)),
-            ("chunked_512mib_bf16_gemm", dict(method="chunked", scratch_bytes=512 << 20, gemm_dtype="bfloat16")),
+            ("chunked_512mib_epilogue_8warps", dict(method="chunked", scratch_bytes=512 << 20,
+                                                     tuning=ProjectionTuning(epilogue_num_warps=8))),
+            ("chunked_512mib_bf16_gemm", dict(method="chunked", scratch_bytes=512 << 20,
+                                               tuning=ProjectionTuning(gemm_dtype="bfloat16"))),
             ("fused", dict(method="fused")))
 
 

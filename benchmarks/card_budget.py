@@ -36,7 +36,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -204,16 +203,7 @@ def spawn(cfg: dict, timeout: int) -> dict:
   if _DEADLINE[0] is not None and time.monotonic() + 30 > _DEADLINE[0]:
     return dict(cfg, ok=False, skipped="the run's --deadline-s left no time for this row")
   timeout = timeout if _DEADLINE[0] is None else max(30, min(timeout, int(_DEADLINE[0] - time.monotonic())))
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  try:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.card_budget", "--child", json.dumps(cfg)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-  except subprocess.TimeoutExpired:
-    return dict(cfg, ok=False, error=f"timed out after {timeout} s")
-  for line in proc.stdout.splitlines():
-    if line.startswith("RESULT "):
-      return json.loads(line[len("RESULT "):])
-  return dict(cfg, ok=False, error=(proc.stderr or proc.stdout)[-1500:])
+  return common.run_child("benchmarks.card_budget", cfg, timeout)
 
 
 def _f(v, fmt="{:.2f}"):
@@ -235,56 +225,15 @@ def summary(r: dict) -> str:
   return out
 
 
-class _OutOfTime(Exception):
-  pass
-
-
 def search_max_tokens(base: dict, start: int, timeout: int, records: list, max_runs: int) -> dict:
-  """The largest multiple of STEP whose loop completes: bracket the edge from ``start``
-  (doubling steps up or down), then bisect. Returns the largest T that passed and the
-  smallest that failed; ``pinned`` says whether they are one STEP apart (else
-  ``max_runs`` children or the deadline ran out first)."""
-  passed, failed = [], []
-
+  """The largest multiple of STEP whose loop completes (``common.largest_passing``), one
+  child process per T."""
   def run(t):
-    if len(passed) + len(failed) >= max_runs:
-      raise _OutOfTime
     r = spawn(dict(base, tokens=t, search=True), timeout)
     records.append(r)
     print(f"  [{base['block']:9s} T={t:7d}] {summary(r)}", flush=True)
-    if r.get("skipped"):
-      raise _OutOfTime
-    (passed if r.get("ok") else failed).append(t)
-    return bool(r.get("ok"))
-
-  try:
-    t = max(STEP, start // STEP * STEP)
-    step = STEP
-    if run(t):
-      lo, hi = t, None
-      while hi is None:
-        if run(lo + step):
-          lo, step = lo + step, 2 * step
-        else:
-          hi = lo + step
-    else:
-      lo, hi = None, t
-      while lo is None and hi - step >= STEP:
-        if run(hi - step):
-          lo = hi - step
-        else:
-          hi, step = hi - step, 2 * step
-    while lo is not None and hi - lo > STEP:
-      mid = (lo + hi) // 2 // STEP * STEP
-      if run(mid):
-        lo = mid
-      else:
-        hi = mid
-  except _OutOfTime:
-    pass
-  best, worst = max(passed, default=None), min(failed, default=None)
-  return {"largest_passed": best, "smallest_failed": worst,
-          "pinned": best is not None and worst is not None and worst - best == STEP}
+    return None if r.get("skipped") else bool(r.get("ok"))
+  return common.largest_passing(run, start, STEP, max_runs)
 
 
 def plot(records: list, path: str) -> str | None:

@@ -147,6 +147,73 @@ def update_scorecard(entries: dict, *, card: str, source: str, command: str, pat
   write_json(path, dict(sorted(card_json.items())))
 
 
+def run_child(module: str, cfg: dict, timeout: int) -> dict:
+  """Run ``python -m <module> --child <cfg as JSON>`` in a fresh process (each
+  configuration's memory its own) and return the dict it prints after ``RESULT ``; on a
+  crash or timeout, ``cfg`` with ok=False and the error."""
+  import subprocess
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  try:
+    proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(cfg)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return dict(cfg, ok=False, error=f"timed out after {timeout} s")
+  for line in proc.stdout.splitlines():
+    if line.startswith("RESULT "):
+      return json.loads(line[len("RESULT "):])
+  return dict(cfg, ok=False, error=(proc.stderr or proc.stdout)[-1500:])
+
+
+def largest_passing(run, start: int, step: int, max_runs: int) -> dict:
+  """The largest multiple of ``step`` for which ``run(t)`` is True: bracket the edge from
+  ``start`` (doubling steps up or down), then bisect. ``run`` returns True, False, or None
+  to stop (out of time). Returns the largest T that passed and the smallest that failed;
+  ``pinned`` says whether they are one step apart (else ``max_runs`` or ``run`` stopped
+  the search first)."""
+  passed, failed = [], []
+
+  class _Stop(Exception):
+    pass
+
+  def probe(t):
+    if len(passed) + len(failed) >= max_runs:
+      raise _Stop
+    ok = run(t)
+    if ok is None:
+      raise _Stop
+    (passed if ok else failed).append(t)
+    return ok
+
+  try:
+    t = max(step, start // step * step)
+    grow = step
+    if probe(t):
+      lo, hi = t, None
+      while hi is None:
+        if probe(lo + grow):
+          lo, grow = lo + grow, 2 * grow
+        else:
+          hi = lo + grow
+    else:
+      lo, hi = None, t
+      while lo is None and hi - grow >= step:
+        if probe(hi - grow):
+          lo = hi - grow
+        else:
+          hi, grow = hi - grow, 2 * grow
+    while lo is not None and hi - lo > step:
+      mid = (lo + hi) // 2 // step * step
+      if probe(mid):
+        lo = mid
+      else:
+        hi = mid
+  except _Stop:
+    pass
+  best, worst = max(passed, default=None), min(failed, default=None)
+  return {"largest_passed": best, "smallest_failed": worst,
+          "pinned": best is not None and worst is not None and worst - best == step}
+
+
 def table(rows, columns) -> str:
   """A small fixed-width text table: ``columns`` is a list of (header, key, format)."""
   head = [h for h, _, _ in columns]

@@ -116,7 +116,11 @@ def _run_child(argv, env_extra):
 
 LEGEND = ("bf16 = the plain BF16 pipeline (x @ W, RMSNorm, RoPE, cuDNN attention); bf16_quant = BF16 "
           "projection then quantize (the anti-pattern: the full QKV exists); dense = ours, streamed "
-          "projection + dense attention over packed K/V; sol = ours with Sol sparse attention")
+          "projection + dense attention over packed K/V; sol = ours with Sol sparse attention.\n"
+          "Quality (cos, rel L1) compares each variant's output with the layer in float32 on the same "
+          "inputs (a subset of query rows; 1 = identical). 'vs bf16' is time / the BF16 pipeline's time "
+          "(below 1 = faster); 'bf16 peak / peak' is the BF16 pipeline's device peak / this variant's "
+          "(above 1 = less memory).")
 
 
 def _plot(records, path):

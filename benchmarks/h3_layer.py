@@ -21,6 +21,7 @@ import numpy as np
 from pallas_kernels.testing import dit_grid
 from formats import packed_kv as fmt
 from pallas_kernels import rope as rope_lib
+from pallas_kernels.qkv_layout import QKVLayout
 
 VARIANTS = ("bf16", "bf16_quant", "dense", "sol")
 
@@ -128,8 +129,8 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
       from pallas_kernels.layer import attention_layer
       return attention_layer(inp["x"], inp["w"], q_norm_weight=inp["q_norm_weight"],
                              k_norm_weight=inp["k_norm_weight"], rope_cos=inp["rope_cos"],
-                             rope_sin=inp["rope_sin"], rot_dim=shape.rot_dim, heads=shape.heads,
-                             head_dim=shape.head_dim, block_classes=shape.block_classes, attention=variant,
+                             rope_sin=inp["rope_sin"], layout=QKVLayout.h3(shape.heads, shape.head_dim, shape.rot_dim),
+                             block_classes=shape.block_classes, attention=variant,
                              sol_options=sol_kwargs if variant == "sol" else None)
     return run
   raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")

@@ -2,6 +2,7 @@
 
 The public JAX API (each function's docstring gives shapes and dtypes):
 
+* ``QKVLayout``: how a block makes q and k (heads, QK norm, RoPE style); ``QKVLayout.h3``.
 * ``streamed_qkv``: x @ W_qkv -> (Q bf16 rotated, ``formats.PackedKV``), never the full QKV.
 * ``packed_attention``: dense attention of Q over a PackedKV (streamed cuDNN or fused).
 * ``sol_attention``: Sol sparse attention over a PackedKV.
@@ -13,8 +14,9 @@ from pallas_kernels import rope
 from pallas_kernels.attention import packed_attention, packed_attention_reference, segment_ids_from_cu_seqlens
 from pallas_kernels.layer import attention_layer, required_bytes
 from pallas_kernels.sol import sol_attention, sol_attention_reference
-from pallas_kernels.projection import streamed_qkv, streamed_qkv_reference
+from pallas_kernels.projection import ProjectionTuning, streamed_qkv, streamed_qkv_reference
+from pallas_kernels.qkv_layout import QKVLayout
 
-__all__ = ["attention_layer", "packed_attention", "packed_attention_reference", "required_bytes", "rope",
+__all__ = ["ProjectionTuning", "QKVLayout", "attention_layer", "packed_attention", "packed_attention_reference", "required_bytes", "rope",
            "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference", "streamed_qkv",
            "streamed_qkv_reference"]

@@ -20,7 +20,7 @@ from pallas_kernels import attention as dense
 from pallas_kernels import sol
 from pallas_kernels import projection as sq
 
-__all__ = ["ATTENTIONS", "SOL_OPTIONS", "attention_layer", "required_bytes"]
+__all__ = ["ATTENTIONS", "SOL_OPTIONS", "attention_layer", "required_bytes", "check_attention"]
 
 ATTENTIONS = ("dense", "sol")
 SOL_OPTIONS = ("tau", "sink_blocks", "sink_q", "topk_ratio", "tail", "max_exact")
@@ -34,19 +34,19 @@ def _sol_kwargs(sol_options) -> dict:
   return opts
 
 
-_STATIC = ("rot_dim", "heads", "head_dim", "block_classes", "k_scheme", "v_scheme", "rotation_seed_k",
-           "rotation_seed_v", "eps", "attention", "sm_scale", "sol_items", "scratch_bytes", "interpret")
+_STATIC = ("layout", "block_classes", "k_scheme", "v_scheme", "rotation_seed_k", "rotation_seed_v", "attention",
+           "sm_scale", "sol_items", "scratch_bytes", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _layer(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, q_segment_ids, kv_segment_ids,
-           kv_mask, kv_lengths, *, rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
-           rotation_seed_k, rotation_seed_v, eps, attention, sm_scale, sol_items, scratch_bytes, interpret):
+           kv_mask, kv_lengths, *, layout, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+           attention, sm_scale, sol_items, scratch_bytes, interpret):
   q, packed = sq.streamed_qkv(
-      x, w_qkv, bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, rope_cos=rope_cos,
-      rope_sin=rope_sin, rot_dim=rot_dim, heads=heads, head_dim=head_dim, block_classes=block_classes,
-      k_scheme=k_scheme, v_scheme=v_scheme, rotation_seed_k=rotation_seed_k,
-      rotation_seed_v=rotation_seed_v, eps=eps, interpret=interpret, scratch_bytes=scratch_bytes)
+      x, w_qkv, bias, layout=layout, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, rope_cos=rope_cos,
+      rope_sin=rope_sin, block_classes=block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
+      rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, interpret=interpret,
+      scratch_bytes=scratch_bytes)
   if attention == "sol":
     return sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
                              **dict(sol_items))
@@ -55,33 +55,38 @@ def _layer(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, q_s
                                 overwrite_q=True, interpret=interpret, scratch_bytes=scratch_bytes)
 
 
-def attention_layer(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim,
-                    heads, head_dim, block_classes=None, k_scheme=fmt.DEFAULT_K_SCHEME,
-                    v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0, rotation_seed_v=1, eps=1e-5,
-                    attention="dense", sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
-                    kv_lengths=None, sol_options=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES,
-                    interpret=None):
-  """x (B, T, hidden) bf16 -> attention output (B, T, H, D) bf16, un-rotated.
-
-  The projection arguments are ``streamed_qkv``'s, the masks ``packed_attention``'s
-  (dense only), ``sol_options`` a dict of ``sol_attention`` settings (``SOL_OPTIONS``).
-  ``scratch_bytes`` bounds both the projection's and the dense attention's scratch
-  (they never run at the same time). The caller's ``o_proj`` applies to the result
-  reshaped to (B, T, H*D).
-  """
+def check_attention(attention, sol_options, masks) -> dict:
+  """The layer's attention choice checked once (the JAX API and the torch op both call
+  this); returns Sol's options."""
   if attention not in ATTENTIONS:
     raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
   opts = _sol_kwargs(sol_options)
-  if attention == "sol" and any(a is not None for a in (q_segment_ids, kv_segment_ids, kv_mask, kv_lengths)):
+  if attention == "sol" and any(a is not None for a in masks):
     raise ValueError("Sol attention takes no segment ids or key masks here (its diagonal assumes one "
                      "sequence); use attention='dense'")
+  return opts
+
+
+def attention_layer(x, w_qkv, bias=None, *, layout: sq.QKVLayout, q_norm_weight=None, k_norm_weight=None,
+                    rope_cos, rope_sin, block_classes=None, k_scheme=fmt.DEFAULT_K_SCHEME,
+                    v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0, rotation_seed_v=1, attention="dense",
+                    sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None, kv_lengths=None,
+                    sol_options=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES, interpret=None):
+  """x (B, T, hidden) bf16 -> attention output (B, T, H, D) bf16, un-rotated.
+
+  The projection arguments are ``streamed_qkv``'s (``layout``: a ``QKVLayout``), the
+  masks ``packed_attention``'s (dense only), ``sol_options`` a dict of
+  ``sol_attention`` settings (``SOL_OPTIONS``). ``scratch_bytes`` bounds both the
+  projection's and the dense attention's scratch (they never run at the same time).
+  The caller's ``o_proj`` applies to the result reshaped to (B, T, H*D).
+  """
+  opts = check_attention(attention, sol_options, (q_segment_ids, kv_segment_ids, kv_mask, kv_lengths))
   sol_items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
   classes = None if block_classes is None else tuple(int(c) for c in block_classes)
   return _layer(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, q_segment_ids, kv_segment_ids,
-                kv_mask, kv_lengths, rot_dim=rot_dim, heads=heads, head_dim=head_dim, block_classes=classes,
-                k_scheme=k_scheme, v_scheme=v_scheme, rotation_seed_k=rotation_seed_k,
-                rotation_seed_v=rotation_seed_v, eps=eps, attention=attention, sm_scale=sm_scale,
-                sol_items=sol_items, scratch_bytes=int(scratch_bytes), interpret=interpret)
+                kv_mask, kv_lengths, layout=layout, block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme,
+                rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, attention=attention,
+                sm_scale=sm_scale, sol_items=sol_items, scratch_bytes=int(scratch_bytes), interpret=interpret)
 
 
 def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, *, batch: int = 1, block_classes=None,

@@ -21,20 +21,21 @@ rounding ties of the reference.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from formats import packed_kv as fmt
 from pallas_kernels import backend, qkv_fused
 from pallas_kernels.projection_ops import epilogue_constants
 from pallas_kernels.qkv_epilogue import empty_buffers, epilogue_call, epilogue_reference, rotated_qkv_reference
+from pallas_kernels.qkv_layout import QKVLayout
 
-__all__ = ["DEFAULT_SCRATCH_BYTES", "GEMM_WORKSPACE_BYTES", "METHODS", "chunk_rows", "chunk_scratch_bytes",
-           "reference_rotated_qkv", "streamed_qkv",
+__all__ = ["DEFAULT_SCRATCH_BYTES", "GEMM_WORKSPACE_BYTES", "METHODS", "ProjectionTuning", "QKVLayout",
+           "check_inputs", "chunk_rows", "chunk_scratch_bytes", "projected_qkv_f32", "streamed_qkv",
            "streamed_qkv_reference"]
 
 BLOCK = fmt.BLOCK
@@ -43,15 +44,15 @@ DEFAULT_SCRATCH_BYTES = 512 << 20
 
 
 # --------------------------------------------------------------------------------------
-# Validation and metadata
+# Validation, metadata, tuning
 # --------------------------------------------------------------------------------------
-def _check_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim,
-                  heads, head_dim, block_classes, k_scheme, v_scheme, seed_k, seed_v):
-  """Raise ValueError on malformed inputs; return the PackedKVMeta of the output."""
-  if head_dim not in fmt.SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"head_dim={head_dim} is not supported; use one of {fmt.SUPPORTED_HEAD_DIMS}")
-  if not isinstance(heads, (int, np.integer)) or heads <= 0:
-    raise ValueError(f"heads must be a positive int, got {heads!r}")
+def check_inputs(x, w_qkv, bias, layout: QKVLayout, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
+                 block_classes, k_scheme, v_scheme, seed_k, seed_v) -> fmt.PackedKVMeta:
+  """Raise ValueError on malformed inputs; return the PackedKVMeta of the output. The
+  one place these rules live: the JAX API and the torch ops both call it."""
+  if not isinstance(layout, QKVLayout):
+    raise ValueError(f"layout must be a QKVLayout (e.g. QKVLayout.h3(heads, head_dim)), got "
+                     f"{type(layout).__name__}")
   if x.ndim != 3:
     raise ValueError(f"x must be (B, T, hidden), got shape {tuple(x.shape)}")
   if jnp.dtype(x.dtype) != jnp.bfloat16:
@@ -62,7 +63,7 @@ def _check_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_s
   if b == 0 or t == 0 or hidden == 0:
     raise ValueError(f"x has an empty axis: (B, T, hidden) = {(b, t, hidden)}; pass at least one "
                      "batch row, one token and one hidden channel")
-  width = 3 * heads * head_dim
+  width = layout.width
   if tuple(w_qkv.shape) != (hidden, width):
     raise ValueError(f"w_qkv must be (hidden, 3*H*D) = {(hidden, width)}, got {tuple(w_qkv.shape)}")
   if bias is not None:
@@ -70,59 +71,72 @@ def _check_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_s
       raise ValueError(f"bias must be (3*H*D,) = ({width},), got {tuple(bias.shape)}")
     if jnp.dtype(bias.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
       raise ValueError(f"bias must be bfloat16 or float32, got {bias.dtype}")
-  for name, wgt in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-    if tuple(wgt.shape) != (head_dim,):
-      raise ValueError(f"{name} must be ({head_dim},), got {tuple(wgt.shape)}")
-  if not isinstance(rot_dim, (int, np.integer)) or rot_dim % 2 or not 0 <= rot_dim <= head_dim:
-    raise ValueError(f"rot_dim must be even and in [0, {head_dim}], got {rot_dim!r}")
-  for name, tab in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-    if tuple(tab.shape) != (t, head_dim):
-      raise ValueError(f"{name} must be (T, D) = {(t, head_dim)} (full-width table from "
-                       f"rope.rope_tables), got {tuple(tab.shape)}")
+  layout.check_norm_weights(q_norm_weight, k_norm_weight)
+  layout.check_tables(rope_cos, rope_sin, t)
   if block_classes is None:
     block_classes = (fmt.CLASS_ID["int4"],) * (-(-t // BLOCK))
-  return fmt.PackedKVMeta(b, heads, head_dim, t, tuple(int(c) for c in block_classes),
+  return fmt.PackedKVMeta(b, layout.heads, layout.head_dim, t, tuple(int(c) for c in block_classes),
                           k_scheme, v_scheme, int(seed_k), int(seed_v))
 
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionTuning:
+  """Launch settings of the projection's kernels, kept out of the public signature.
+
+  Chunked method: ``epilogue_num_warps`` (the epilogue kernel) and ``gemm_dtype``
+  ("float32" or "bfloat16", the cuBLAS chunk's output: bfloat16 halves the chunk's
+  traffic but rounds the projection before the norm, as a BF16 model's own qkv_proj
+  does; outside the reference's 1e-4 code agreement, ``benchmarks/NOTES.md``).
+  Fused method (``qkv_fused.fused_qkv``, which documents each): ``block_q``,
+  ``block_h``, ``num_warps``, ``num_stages``, ``full_width_gemm``,
+  ``q_heads_per_program``, ``kv_blocks_per_program``.
+  """
+  epilogue_num_warps: int = 4
+  gemm_dtype: str = "float32"
+  block_q: int = 128
+  block_h: int = 64
+  num_warps: object = None
+  num_stages: object = None
+  full_width_gemm: bool = qkv_fused.DEFAULT_FULL_WIDTH_GEMM
+  q_heads_per_program: int = 1
+  kv_blocks_per_program: int = 1
+
+  def __post_init__(self):
+    if str(self.gemm_dtype) not in ("float32", "bfloat16"):
+      raise ValueError(f"gemm_dtype must be 'float32' or 'bfloat16', got {self.gemm_dtype!r}")
+    if self.epilogue_num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"epilogue_num_warps must be a power of two up to 16, got {self.epilogue_num_warps!r}")
 
 
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
-_REF_STATIC = ("rot_dim", "heads", "head_dim", "rotation_seed_k", "rotation_seed_v", "eps")
-
-
 def _projection_f32(x, w_qkv):
   return jnp.dot(x.astype(jnp.float32), w_qkv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=_REF_STATIC)
-def reference_rotated_qkv(x, w_qkv, bias, *, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
-                          rot_dim, heads, head_dim, rotation_seed_k=0, rotation_seed_v=1,
-                          eps=1e-5):
+@functools.partial(jax.jit, static_argnames=("layout", "rotation_seed_k", "rotation_seed_v"))
+def projected_qkv_f32(x, w_qkv, bias=None, *, layout, q_norm_weight=None, k_norm_weight=None, rope_cos,
+                      rope_sin, rotation_seed_k=0, rotation_seed_v=1):
   """Full float32 (B, T, H, D) q, k, v in the rotated basis, before any rounding.
 
   Tests and references only: this is exactly the tensor the kernels never build.
   """
   return rotated_qkv_reference(
-      _projection_f32(x, w_qkv), bias, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-      rope_cos=rope_cos, rope_sin=rope_sin, rot_dim=rot_dim, heads=heads, head_dim=head_dim,
-      rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, eps=eps)
+      _projection_f32(x, w_qkv), bias, layout=layout, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+      rope_cos=rope_cos, rope_sin=rope_sin, rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v)
 
 
-@functools.partial(jax.jit, static_argnames=_REF_STATIC + ("block_classes", "k_scheme",
-                                                          "v_scheme"))
-def streamed_qkv_reference(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos,
-                           rope_sin, rot_dim, heads, head_dim, block_classes=None,
-                           k_scheme="channel", v_scheme="token", rotation_seed_k=0,
-                           rotation_seed_v=1, eps=1e-5):
+@functools.partial(jax.jit, static_argnames=("layout", "block_classes", "k_scheme", "v_scheme", "rotation_seed_k",
+                                             "rotation_seed_v"))
+def streamed_qkv_reference(x, w_qkv, bias=None, *, layout, q_norm_weight=None, k_norm_weight=None, rope_cos,
+                           rope_sin, block_classes=None, k_scheme="channel", v_scheme="token", rotation_seed_k=0,
+                           rotation_seed_v=1):
   """Plain float32 jnp definition of ``streamed_qkv``. It materializes everything."""
-  meta = _check_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
-                       rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
-                       rotation_seed_k, rotation_seed_v)
-  return epilogue_reference(_projection_f32(x, w_qkv), bias, meta, q_norm_weight=q_norm_weight,
-                            k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin,
-                            rot_dim=rot_dim, eps=eps)
+  meta = check_inputs(x, w_qkv, bias, layout, q_norm_weight, k_norm_weight, rope_cos, rope_sin, block_classes,
+                      k_scheme, v_scheme, rotation_seed_k, rotation_seed_v)
+  return epilogue_reference(_projection_f32(x, w_qkv), bias, meta, layout=layout, q_norm_weight=q_norm_weight,
+                            k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin)
 
 
 # --------------------------------------------------------------------------------------
@@ -153,7 +167,7 @@ def chunk_scratch_bytes(rows: int, hidden: int, width: int) -> int:
   return rows * (width * 4 + hidden * 2) + GEMM_WORKSPACE_BYTES
 
 
-def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, num_warps=4, init=None,
+def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, interpret, num_warps=4, init=None,
              gemm_dtype=jnp.float32):
   """The chunked method: one ``fori_loop`` over (batch row, chunk), every chunk of the
   same shape, so XLA holds one chunk's scratch at a time.
@@ -182,7 +196,7 @@ def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, nu
       start = 0
       xs = jnp.pad(lax.dynamic_slice(x, (bi, 0, 0), (1, t, hidden))[0], ((0, rows - t), (0, 0)))
     y = jnp.dot(xs, w_qkv, preferred_element_type=gemm_dtype)
-    return epilogue_call(y, bias, a, a - start, bi, bufs, cos, sin, consts, meta, eps=eps, interpret=interpret,
+    return epilogue_call(y, bias, a, a - start, bi, bufs, cos, sin, consts, meta, interpret=interpret,
                          num_warps=num_warps)
 
   bufs = lax.fori_loop(0, b * n, chunk, bufs)
@@ -197,80 +211,73 @@ def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, eps, interpret, nu
 # --------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------
-_STATIC = ("rot_dim", "heads", "head_dim", "block_classes", "k_scheme", "v_scheme",
-           "rotation_seed_k", "rotation_seed_v", "eps", "interpret", "method", "scratch_bytes",
-           "block_q", "block_h", "num_warps", "num_stages", "full_width_gemm", "q_heads_per_program",
-           "kv_blocks_per_program", "epilogue_num_warps", "gemm_dtype")
-
-
-def _gemm_dtype(name):
-  if str(name) not in ("float32", "bfloat16"):
-    raise ValueError(f"gemm_dtype must be 'float32' or 'bfloat16', got {name!r}")
-  return jnp.dtype(str(name))
-
-
-def resolve_method(method: str, num_tokens: int, hidden: int, width: int, scratch_bytes: int) -> str:
+def resolve_method(method: str, num_tokens: int, hidden: int, layout: QKVLayout, scratch_bytes: int) -> str:
   """``auto`` -> ``chunked`` when one 64-row chunk fits ``scratch_bytes``, else
-  ``fused``; an explicit method is checked."""
+  ``fused`` (where it runs the layout); an explicit method is checked."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if int(scratch_bytes) < 0:
     raise ValueError(f"scratch_bytes must be >= 0, got {scratch_bytes}")
-  fits = chunk_rows(num_tokens, hidden, width, scratch_bytes) >= BLOCK
+  fits = chunk_rows(num_tokens, hidden, layout.width, scratch_bytes) >= BLOCK
+  fused_reason = qkv_fused.unsupported_layout_reason(layout)
+  need = chunk_scratch_bytes(BLOCK, hidden, layout.width)
   if method == "auto":
-    return "chunked" if fits else "fused"
+    if fits:
+      return "chunked"
+    if fused_reason is None:
+      return "fused"
+    raise ValueError(f"scratch_bytes={scratch_bytes} holds no 64-row chunk (needs {need} bytes) and the "
+                     f"fused method cannot run this layout ({fused_reason}); raise scratch_bytes")
   if method == "chunked" and not fits:
-    need = chunk_scratch_bytes(BLOCK, hidden, width)
     raise ValueError(f"scratch_bytes={scratch_bytes} holds no 64-row chunk (needs {need} bytes); "
                      "raise it or use method='fused' (no scratch)")
+  if method == "fused" and fused_reason is not None:
+    raise NotImplementedError(f"method='fused' cannot run this layout: {fused_reason}; use method='chunked'")
   return method
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def streamed_qkv(x, w_qkv, bias=None, *, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
-                 rot_dim, heads, head_dim, block_classes=None, k_scheme="channel",
-                 v_scheme="token", rotation_seed_k=0, rotation_seed_v=1, eps=1e-5,
-                 interpret=None, method="auto", scratch_bytes=DEFAULT_SCRATCH_BYTES, block_q=128,
-                 block_h=64, num_warps=None, num_stages=None,
-                 full_width_gemm=qkv_fused.DEFAULT_FULL_WIDTH_GEMM, q_heads_per_program=1,
-                 kv_blocks_per_program=1, epilogue_num_warps=4, gemm_dtype="float32"):
-  """x (B, T, hidden) bf16 @ w_qkv (hidden, 3HD) bf16 -> (Q, PackedKV).
+@functools.partial(jax.jit, static_argnames=("layout", "block_classes", "k_scheme", "v_scheme", "rotation_seed_k",
+                                             "rotation_seed_v", "method", "scratch_bytes", "tuning", "interpret"))
+def streamed_qkv(x, w_qkv, bias=None, *, layout: QKVLayout, q_norm_weight=None, k_norm_weight=None, rope_cos,
+                 rope_sin, block_classes=None, k_scheme="channel", v_scheme="token", rotation_seed_k=0,
+                 rotation_seed_v=1, method="auto", scratch_bytes=DEFAULT_SCRATCH_BYTES,
+                 tuning: ProjectionTuning | None = None, interpret=None):
+  """x (B, T, hidden) bf16 @ w_qkv (hidden, 3HD) bf16 (+ bias) -> (Q, PackedKV).
 
-  Q is (B, T, H, D) bf16 after per-head RMSNorm, partial split-half RoPE (channels
-  ``[0, rot_dim)``, tables ``rope_cos``/``rope_sin`` (T, D) f32 from
-  ``rope.rope_tables``) and the rotation ``R_k``; the PackedKV holds K (same epilogue,
-  ``k_norm_weight``) and V (rotated by ``R_v``) in the format of ``formats/``, each
-  64-token block in the class ``block_classes`` gives it (None: all int4). ``bias``:
-  optional (3HD,) bf16 or f32. ``streamed_qkv_reference`` is the exact definition.
+  ``layout`` (``QKVLayout``) says how q and k are made from the projection: heads x
+  head_dim, the QK norm (``q_norm_weight`` / ``k_norm_weight``: (D,) per head, (H*D,)
+  across heads, None without a norm, f32), the RoPE style over the first ``rot_dim``
+  channels with tables ``rope_cos`` / ``rope_sin`` (T, D) f32, or (T, H*D) with
+  ``rope_per_head``. Q is (B, T, H, D) bf16 after the norm, RoPE and the rotation
+  ``R_k``; the PackedKV holds K (same epilogue) and V (rotated by ``R_v``) in the
+  format of ``formats/``, each 64-token block in the class ``block_classes`` gives it
+  (None: all int4). ``bias``: optional (3HD,) bf16 or f32. ``streamed_qkv_reference``
+  is the exact definition.
 
   method: ``"auto"`` (``"chunked"`` unless ``scratch_bytes`` holds no 64-row chunk),
   ``"chunked"`` (cuBLAS row chunks + the epilogue kernel; scratch at most
-  ``scratch_bytes``) or ``"fused"`` (one Pallas kernel, no scratch).
-  ``epilogue_num_warps`` tunes the chunked method's epilogue kernel; ``gemm_dtype``
-  ("float32" or "bfloat16") is the dtype of its cuBLAS chunk: bfloat16 halves the
-  chunk's traffic but rounds the projection before the norm, as a BF16 model's own
-  qkv_proj does (outside the reference's 1e-4 code agreement; benchmarks/NOTES.md). The remaining
-  keywords tune the fused kernel only (``qkv_fused.fused_qkv``).
+  ``scratch_bytes``) or ``"fused"`` (one Pallas kernel, no scratch; norms per head and
+  shared tables only). ``tuning``: a ``ProjectionTuning`` (launch settings).
   """
-  meta = _check_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
-                       rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
-                       rotation_seed_k, rotation_seed_v)
-  qkv_fused.check_tiles(heads, block_q, block_h, q_heads_per_program, kv_blocks_per_program)
-  gemm_dtype = _gemm_dtype(gemm_dtype)  # checked whichever method runs
+  meta = check_inputs(x, w_qkv, bias, layout, q_norm_weight, k_norm_weight, rope_cos, rope_sin, block_classes,
+                      k_scheme, v_scheme, rotation_seed_k, rotation_seed_v)
+  tuning = ProjectionTuning() if tuning is None else tuning
+  if not isinstance(tuning, ProjectionTuning):
+    raise ValueError(f"tuning must be a ProjectionTuning or None, got {type(tuning).__name__}")
+  qkv_fused.check_tiles(layout.heads, tuning.block_q, tuning.block_h, tuning.q_heads_per_program,
+                        tuning.kv_blocks_per_program)
   interpret = backend.resolve_interpret(interpret)
   b, t, hidden = x.shape
-  width = 3 * heads * head_dim
-  method = resolve_method(method, t, hidden, width, scratch_bytes)
-  consts = epilogue_constants(head_dim, rot_dim, rotation_seed_k, rotation_seed_v, q_norm_weight,
-                              k_norm_weight)
+  method = resolve_method(method, t, hidden, layout, scratch_bytes)
+  consts = epilogue_constants(layout, rotation_seed_k, rotation_seed_v, q_norm_weight, k_norm_weight)
   cos = jnp.asarray(rope_cos, jnp.float32)
   sin = jnp.asarray(rope_sin, jnp.float32)
   if method == "fused":
-    return qkv_fused.fused_qkv(x, w_qkv, bias, cos, sin, consts, meta, eps=eps, interpret=interpret,
-                               block_q=block_q, block_h=block_h, num_warps=num_warps,
-                               num_stages=num_stages, full_width_gemm=full_width_gemm,
-                               q_heads_per_program=q_heads_per_program,
-                               kv_blocks_per_program=kv_blocks_per_program)
-  rows = chunk_rows(t, hidden, width, scratch_bytes)
-  return _chunked(x, w_qkv, bias, cos, sin, consts, meta, rows=rows, eps=eps, interpret=interpret,
-                  num_warps=int(epilogue_num_warps), gemm_dtype=gemm_dtype)
+    return qkv_fused.fused_qkv(x, w_qkv, bias, cos, sin, consts, meta, interpret=interpret,
+                               block_q=tuning.block_q, block_h=tuning.block_h, num_warps=tuning.num_warps,
+                               num_stages=tuning.num_stages, full_width_gemm=tuning.full_width_gemm,
+                               q_heads_per_program=tuning.q_heads_per_program,
+                               kv_blocks_per_program=tuning.kv_blocks_per_program)
+  rows = chunk_rows(t, hidden, layout.width, scratch_bytes)
+  return _chunked(x, w_qkv, bias, cos, sin, consts, meta, rows=rows, interpret=interpret,
+                  num_warps=int(tuning.epilogue_num_warps), gemm_dtype=jnp.dtype(tuning.gemm_dtype))

@@ -41,25 +41,35 @@ def load_halves(ref, dh, off=0):
           plgpu.load(ref.at[pl.ds(off + dh, dh)]).astype(jnp.float32)[None, :])
 
 
-def norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, rows, valid, *, dh, eps,
-               quadrants):
-  """RMSNorm(weight) then partial split-half RoPE on one head's halves."""
-  ms = (jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / (2 * dh)
-  r = jax.lax.rsqrt(ms + eps)[:, None]
-  w_lo, w_hi = load_halves(nw_ref, dh)
-  lo, hi = lo * r * w_lo, hi * r * w_hi
+def norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, rows, valid, *, dh, layout, quadrants,
+              mean_square=None, head=0):
+  """The layout's QK norm, then its RoPE, on one head's halves.
+
+  ``layout.norm``: ``head`` normalizes by this head's mean square; ``across`` by
+  ``mean_square`` (rows,), the token's mean square over all heads, which the caller
+  computes (no program sees every head), with this head's slice of the (H*D,) weight;
+  ``none`` skips both. ``head`` (traced) picks the weight slice and, with
+  ``layout.rope_per_head``, the table columns.
+  """
+  d = 2 * dh
+  if layout.norm != "none":
+    ms = (jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / d if layout.norm == "head" else mean_square
+    r = jax.lax.rsqrt(ms + layout.eps)[:, None]
+    w_lo, w_hi = load_halves(nw_ref, dh, head * d if layout.norm == "across" else 0)
+    lo, hi = lo * r * w_lo, hi * r * w_hi
   if not quadrants:  # rot_dim == 0
     return lo, hi
   m = valid[:, None]
-  tab = lambda ref, c0: plgpu.load(ref.at[pl.ds(row0, rows), pl.ds(c0, dh)], mask=m, other=0.0)
+  col = head * d if layout.rope_per_head else 0
+  tab = lambda ref, c0: plgpu.load(ref.at[pl.ds(row0, rows), pl.ds(col + c0, dh)], mask=m, other=0.0)
   # rope = y * cos + (y @ P) * sin, with y @ P by quadrant (all-zero quadrants are
   # skipped at trace time). Ordered so that few full tiles are live at once.
   parts = {"lo": split_bf16(lo), "hi": split_bf16(hi)}
   out = {"lo": lo * tab(cos_ref, 0), "hi": hi * tab(cos_ref, dh)}
   for dst, c0 in (("lo", 0), ("hi", dh)):
     partner = None
-    for src, d in quadrants:
-      if d != dst:
+    for src, dd in quadrants:
+      if dd != dst:
         continue
       quad = plgpu.load(p_ref.at[pl.ds(0 if src == "lo" else dh, dh), pl.ds(c0, dh)])
       term = sign_dot(parts[src], quad)
@@ -176,9 +186,9 @@ def finish_block(lo, hi, stat_ref, outs, blk, valid, *, cls, scheme, t, dh, mean
   store_class(lo, hi, valid, outs, cls=cls, scheme=scheme, dh=dh, slot=slot)
 
 
-def rope_quadrants(head_dim, rot_dim):
+def rope_quadrants(head_dim, rot_dim, style="half"):
   """(src half, dst half) pairs where the RoPE partner matrix is nonzero."""
-  p = rope.rope_partner_matrix(head_dim, rot_dim)
+  p = rope.rope_partner_matrix(head_dim, rot_dim, style)
   dh = head_dim // 2
   halves = {"lo": slice(0, dh), "hi": slice(dh, head_dim)}
   return tuple((s, d) for s in halves for d in halves if np.any(p[halves[s], halves[d]]))
@@ -191,8 +201,9 @@ class EpilogueConstants:
   ``p_mat``: the (D, D) RoPE partner matrix, bf16 (exact); ``h_half``: the unsigned
   Sylvester H_{D/2}, bf16; ``signs_k`` / ``signs_v``: the (D,) sign vectors of R_k and
   R_v (``diag(s) H_D`` has first column s, since H_D's first column is all ones);
-  ``q_norm`` / ``k_norm``: the (D,) RMSNorm weights, f32; ``quadrants``: the nonzero
-  (source half, destination half) pairs of ``p_mat`` (static).
+  ``q_norm`` / ``k_norm``: the RMSNorm weights, f32 ((D,) or (H*D,) by the layout;
+  a (D,) placeholder without a norm); ``quadrants``: the nonzero (source half,
+  destination half) pairs of ``p_mat``; ``layout``: the ``QKVLayout`` (both static).
   """
   p_mat: jax.Array
   h_half: jax.Array
@@ -201,16 +212,18 @@ class EpilogueConstants:
   q_norm: jax.Array
   k_norm: jax.Array
   quadrants: tuple
+  layout: object
 
 
-def epilogue_constants(head_dim, rot_dim, seed_k, seed_v, q_norm_weight, k_norm_weight):
-  dh = head_dim // 2
-  sk, sv = (jnp.asarray(fmt.hadamard_signs(head_dim, seed)[:, 0]) for seed in (seed_k, seed_v))
+def epilogue_constants(layout, seed_k, seed_v, q_norm_weight, k_norm_weight):
+  d = layout.head_dim
+  sk, sv = (jnp.asarray(fmt.hadamard_signs(d, seed)[:, 0]) for seed in (seed_k, seed_v))
+  weight = lambda w: jnp.zeros((d,), jnp.float32) if w is None else jnp.asarray(w, jnp.float32)
   return EpilogueConstants(
-      p_mat=jnp.asarray(rope.rope_partner_matrix(head_dim, rot_dim), jnp.bfloat16),
-      h_half=jnp.asarray(fmt.sylvester(dh), jnp.bfloat16), signs_k=sk, signs_v=sv,
-      q_norm=jnp.asarray(q_norm_weight, jnp.float32), k_norm=jnp.asarray(k_norm_weight, jnp.float32),
-      quadrants=rope_quadrants(head_dim, rot_dim))
+      p_mat=jnp.asarray(rope.rope_partner_matrix(d, layout.rot_dim, layout.rope), jnp.bfloat16),
+      h_half=jnp.asarray(fmt.sylvester(d // 2), jnp.bfloat16), signs_k=sk, signs_v=sv,
+      q_norm=weight(q_norm_weight), k_norm=weight(k_norm_weight),
+      quadrants=rope_quadrants(d, layout.rot_dim, layout.rope), layout=layout)
 
 
 def class_array_names(cls):

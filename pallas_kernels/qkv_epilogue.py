@@ -4,8 +4,8 @@ Q and PackedKV buffers, written in place (``streamed_qkv(method="chunked")``).
 Why a separate epilogue: cuBLAS runs the GEMM faster than any Pallas GEMM we wrote
 (``benchmarks/NOTES.md``), so ``streamed_qkv`` computes the projection one row chunk at
 a time into a bounded f32 scratch, and this one kernel does everything else for the
-chunk: per-head RMSNorm, partial RoPE, the Hadamard rotation, the block stats,
-quantization of every precision class, nibble packing. Its outputs alias the final
+chunk: the bias, the layout's QK norm and RoPE (``qkv_layout.QKVLayout``), the Hadamard
+rotation, the block stats, quantization of every precision class, nibble packing. Its outputs alias the final
 buffers (``input_output_aliases``), so nothing is concatenated or copied afterwards.
 
 Kernel layout
@@ -23,6 +23,9 @@ Kernel layout
 * A block's precision class is data, not code: ``classes[blk]`` and ``slots[blk]``
   (int32 tables over the global blocks) pick the store with ``pl.when``, one branch
   per class that has blocks.
+* A norm across heads needs each token's mean square over all H*D channels of q and
+  of k, which no (head, block) program sees: the caller computes it per chunk in jnp
+  (``across_head_mean_squares``, one reduction XLA fuses) and passes it as ``ms``.
 * The math is ``projection_ops``'s, shared with the fused kernel, so both methods
   give the same codes up to rounding ties (the GEMM's accumulation order differs).
 """
@@ -39,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from formats import packed_kv as fmt
 from pallas_kernels import rope
 from pallas_kernels.backend import NamedInputs
+from pallas_kernels.qkv_layout import QKVLayout, rms_norm_reference
 from pallas_kernels.projection_ops import (EpilogueConstants, add_bias, block_stats, class_array_names,
                                            norm_rope, rotate, store_class)
 
@@ -48,30 +52,26 @@ BLOCK = fmt.BLOCK
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
-def _rms_norm(x, weight, eps):
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
-
-
-def rotated_qkv_reference(y, bias, *, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                          head_dim, rotation_seed_k=0, rotation_seed_v=1, eps=1e-5):
+def rotated_qkv_reference(y, bias, *, layout: QKVLayout, q_norm_weight=None, k_norm_weight=None, rope_cos,
+                          rope_sin, rotation_seed_k=0, rotation_seed_v=1):
   """f32 (B, T, H, D) q, k, v in the rotated basis from the projection ``y`` (B, T, 3HD).
 
-  The epilogue's definition: bias, per-head RMSNorm on q and k, partial split-half
-  RoPE, then ``R_k`` on q and k and ``R_v`` on v, all in float32.
+  The epilogue's definition: bias, the layout's QK norm and RoPE, then ``R_k`` on q
+  and k and ``R_v`` on v, all in float32.
   """
   b, t, _ = y.shape
+  h, d = layout.heads, layout.head_dim
   hi = jax.lax.Precision.HIGHEST  # GPUs would otherwise use TF32 for f32 matmuls
   y = y.astype(jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
-  q, k, v = (y.reshape(b, t, 3, heads, head_dim)[:, :, i] for i in range(3))
-  cos, sin = jnp.asarray(rope_cos, jnp.float32), jnp.asarray(rope_sin, jnp.float32)
-  r_k = jnp.asarray(fmt.hadamard_rotation(head_dim, rotation_seed_k))
-  r_v = jnp.asarray(fmt.hadamard_rotation(head_dim, rotation_seed_v))
+  q, k, v = (y.reshape(b, t, 3, h, d)[:, :, i] for i in range(3))
+  r_k = jnp.asarray(fmt.hadamard_rotation(d, rotation_seed_k))
+  r_v = jnp.asarray(fmt.hadamard_rotation(d, rotation_seed_v))
 
   def qk_epilogue(z, weight):
-    z = _rms_norm(z, jnp.asarray(weight, jnp.float32), eps)
-    z = rope.apply_rope_reference(z, cos, sin, rot_dim)
+    z = rms_norm_reference(z, weight, layout)
+    z = rope.apply_rope_reference(z, rope_cos, rope_sin, layout.rot_dim, layout.rope)
     return jnp.dot(z, r_k, precision=hi)
 
   return qk_epilogue(q, q_norm_weight), qk_epilogue(k, k_norm_weight), jnp.dot(v, r_v, precision=hi)
@@ -80,10 +80,19 @@ def rotated_qkv_reference(y, bias, *, q_norm_weight, k_norm_weight, rope_cos, ro
 def epilogue_reference(y, bias, meta: fmt.PackedKVMeta, **kw):
   """(Q bf16, PackedKV) from the f32 projection ``y`` (B, T, 3HD): what this kernel
   writes, over all chunks together. ``kw``: ``rotated_qkv_reference``'s keywords."""
-  q, k, v = rotated_qkv_reference(y, bias, heads=meta.heads, head_dim=meta.head_dim,
-                                  rotation_seed_k=meta.rotation_seed_k,
+  q, k, v = rotated_qkv_reference(y, bias, rotation_seed_k=meta.rotation_seed_k,
                                   rotation_seed_v=meta.rotation_seed_v, **kw)
   return q.astype(jnp.bfloat16), fmt.quantize_reference(k, v, meta)
+
+
+def across_head_mean_squares(y, bias, layout: QKVLayout):
+  """(2, rows) f32: each row's mean square over the q and over the k columns of the
+  projection ``y`` (rows, 3HD), bias included: the norm across heads' statistic."""
+  hd = layout.heads * layout.head_dim
+  qk = y[:, :2 * hd].astype(jnp.float32)
+  if bias is not None:
+    qk = qk + bias[:2 * hd].astype(jnp.float32)
+  return jnp.mean(jnp.square(qk).reshape(-1, 2, hd), axis=-1).T
 
 
 # --------------------------------------------------------------------------------------
@@ -92,9 +101,7 @@ def epilogue_reference(y, bias, meta: fmt.PackedKVMeta, **kw):
 @dataclasses.dataclass(frozen=True)
 class _Config:
   t: int
-  heads: int
-  head_dim: int
-  eps: float
+  layout: QKVLayout
   k_scheme: str
   v_scheme: str
   quadrants: tuple
@@ -103,7 +110,8 @@ class _Config:
 
 def _kernel(*refs, names, cfg: _Config):
   r = dict(zip(names, refs))
-  d, dh, h = cfg.head_dim, cfg.head_dim // 2, pl.program_id(0)
+  lay = cfg.layout
+  d, dh, h = lay.head_dim, lay.head_dim // 2, pl.program_id(0)
   j = pl.program_id(1)
   row0 = r["pos"][0] + j * BLOCK              # this program's first token row
   yrow = r["pos"][1] + j * BLOCK              # ... and its row in y
@@ -115,7 +123,7 @@ def _kernel(*refs, names, cfg: _Config):
   out = lambda name: _AtRow(r[name + "_out"], bi)  # this batch row's (head's) buffer
 
   def projected(role):
-    col = (("q", "k", "v").index(role) * cfg.heads + h) * d
+    col = (("q", "k", "v").index(role) * lay.heads + h) * d
     y = r["y"]
     lo = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col, dh)], mask=m, other=0.0).astype(jnp.float32)
     hi = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col + dh, dh)], mask=m, other=0.0).astype(jnp.float32)
@@ -123,8 +131,11 @@ def _kernel(*refs, names, cfg: _Config):
 
   def qk(role, norm):
     lo, hi = projected(role)
+    ms = None
+    if lay.norm == "across":
+      ms = plgpu.load(r["ms_" + role].at[pl.ds(yrow, BLOCK)], mask=valid, other=1.0)
     lo, hi = norm_rope(lo, hi, r[norm], r["cos"], r["sin"], r["p_mat"], row0, BLOCK, valid, dh=dh,
-                       eps=cfg.eps, quadrants=cfg.quadrants)
+                       layout=lay, quadrants=cfg.quadrants, mean_square=ms, head=h)
     return rotate(lo, hi, r["h_half"], r["signs_k"], dh=dh)
 
   lo, hi = qk("q", "q_norm")
@@ -210,7 +221,7 @@ def empty_buffers(meta, *, interpret: bool) -> dict:
 
 
 def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: EpilogueConstants, meta, *,
-                  eps: float, interpret: bool, num_warps: int = 4, num_stages: int = 1):
+                  interpret: bool, num_warps: int = 4, num_stages: int = 1):
   """Run the epilogue of one chunk into ``buffers`` (aliased) and return them.
 
   y: (rows, 3HD) f32 (or bf16), rows a multiple of 64: the projection of tokens
@@ -225,7 +236,7 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   if rows % BLOCK or width != 3 * h * d:
     raise ValueError(f"y must be (rows, 3HD) with rows a multiple of {BLOCK}, got {y.shape}")
   shapes = _buffer_shapes(meta)
-  cfg = _Config(t=meta.num_tokens, heads=h, head_dim=d, eps=float(eps), k_scheme=meta.k_scheme,
+  cfg = _Config(t=meta.num_tokens, layout=consts.layout, k_scheme=meta.k_scheme,
                 v_scheme=meta.v_scheme, quadrants=consts.quadrants,
                 present=tuple(c for c in fmt.CLASSES if meta.slots(c)))
 
@@ -234,6 +245,10 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   inputs.add_whole("classes", jnp.asarray(meta.block_classes, jnp.int32))
   inputs.add_whole("slots", jnp.asarray(meta.block_slots()))
   inputs.add_whole("y", y)
+  if consts.layout.norm == "across":
+    ms = across_head_mean_squares(y, bias, consts.layout)
+    inputs.add_whole("ms_q", ms[0])
+    inputs.add_whole("ms_k", ms[1])
   if bias is not None:
     for i, role in enumerate("qkv"):
       inputs.add("bias_" + role, bias, (d,), lambda hh, j, i=i: (i * h + hh,))

@@ -95,7 +95,7 @@ def _gemm_halves(x_ref, w_refs, row0s, rows, valids, hidden, bh, dh, full_width,
   return out
 
 
-def _q_kernel(*refs, has_bias, quadrants, t, hidden, bq, bh, dh, eps, full_width, qh):
+def _q_kernel(*refs, has_bias, quadrants, t, hidden, bq, bh, dh, layout, full_width, qh):
   refs = list(refs)
   x_ref, w_ref = refs.pop(0), refs.pop(0)
   b_ref = refs.pop(0) if has_bias else None
@@ -108,7 +108,7 @@ def _q_kernel(*refs, has_bias, quadrants, t, hidden, bq, bh, dh, eps, full_width
   for j, (lo, hi) in enumerate(heads):  # one head after the other, as at qh = 1
     lo, hi = add_bias(lo, hi, b_ref, dh, off=2 * dh * j)
     lo, hi = norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, bq, valid, dh=dh,
-                        eps=eps, quadrants=quadrants)
+                       layout=layout, quadrants=quadrants)
     lo, hi = rotate(lo, hi, h_ref, sign_ref, dh=dh)
     # q_ref is (T, D) at qh = 1 (head axis squeezed), else (T, qh, D).
     at = (lambda c0: q_ref.at[pl.ds(row0, bq), pl.ds(c0, dh)]) if qh == 1 else (
@@ -117,7 +117,7 @@ def _q_kernel(*refs, has_bias, quadrants, t, hidden, bq, bh, dh, eps, full_width
     plgpu.store(at(dh), hi.astype(q_ref.dtype), mask=m)
 
 
-def _kv_kernel(*refs, cls, has_bias, quadrants, k_scheme, v_scheme, t, hidden, bh, dh, eps,
+def _kv_kernel(*refs, cls, has_bias, quadrants, k_scheme, v_scheme, t, hidden, bh, dh, layout,
                full_width, nblk, n):
   refs = list(refs)
   tab_ref, x_ref, wk_ref, wv_ref = refs[:4]
@@ -146,7 +146,7 @@ def _kv_kernel(*refs, cls, has_bias, quadrants, k_scheme, v_scheme, t, hidden, b
     # K is finished and stored before V's epilogue starts, to keep register use down.
     k_lo, k_hi = add_bias(k_lo, k_hi, bk_ref, dh)
     k_lo, k_hi = norm_rope(k_lo, k_hi, nw_ref, cos_ref, sin_ref, p_ref, row0, BLOCK, valid,
-                            dh=dh, eps=eps, quadrants=quadrants)
+                           dh=dh, layout=layout, quadrants=quadrants)
     k_lo, k_hi = rotate(k_lo, k_hi, h_ref, sk_ref, dh=dh)
     finish_block(k_lo, k_hi, kmean_ref, k_out, blk, valid, cls=cls, scheme=k_scheme, t=t,
                  dh=dh, mean=True, slot=slot)
@@ -233,7 +233,17 @@ def check_tiles(heads, block_q, block_h, q_heads_per_program, kv_blocks_per_prog
     raise ValueError(f"kv_blocks_per_program must be 1 or 2, got {nblk!r}")
 
 
-def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, eps, interpret, block_q,
+def unsupported_layout_reason(layout) -> str | None:
+  """Why this kernel cannot run ``layout`` (None when it can): each program sees one
+  head of a token tile, so neither a norm across heads nor per-head tables fit."""
+  if layout.norm == "across":
+    return "a QK norm across heads needs every head of a token at once"
+  if layout.rope_per_head:
+    return "per-head RoPE tables are read by the chunked method only"
+  return None
+
+
+def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, interpret, block_q,
               block_h, num_warps, num_stages, full_width_gemm, q_heads_per_program,
               kv_blocks_per_program):
   """(Q (B, T, H, D) bf16, PackedKV) from x; inputs already validated (``streamed_qkv``).
@@ -247,6 +257,9 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, eps,
   ``kv_blocks_per_program`` (1 or 2): each W tile feeds the dots of that many 64-token
   blocks. Larger values raise the GEMM's FLOPs per loaded byte at the cost of registers.
   """
+  reason = unsupported_layout_reason(consts.layout)
+  if reason is not None:
+    raise NotImplementedError(f"method='fused' cannot run this layout: {reason}; use method='chunked'")
   qh, nblk = q_heads_per_program, kv_blocks_per_program
   b, t, hidden = x.shape
   hh, d, nb = meta.heads, meta.head_dim, meta.num_blocks
@@ -277,7 +290,7 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, eps,
                 else pl.BlockSpec((None, t, qh, d), lambda h, i, bb: (bb, 0, h, 0)))
   q = pl.pallas_call(
       functools.partial(_q_kernel, has_bias=bias is not None, quadrants=quadrants, t=t,
-                        hidden=hidden, bq=bq, bh=block_h, dh=dh, eps=eps,
+                        hidden=hidden, bq=bq, bh=block_h, dh=dh, layout=consts.layout,
                         full_width=full_width_gemm, qh=qh),
       grid=(hh // qh, pl.cdiv(t, bq), b),
       in_specs=q_specs + const_specs,
@@ -311,7 +324,7 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, eps,
     outs = pl.pallas_call(
         functools.partial(_kv_kernel, cls=cls, has_bias=bias is not None, quadrants=quadrants,
                           k_scheme=meta.k_scheme, v_scheme=meta.v_scheme, t=t, hidden=hidden,
-                          bh=block_h, dh=dh, eps=eps, full_width=full_width_gemm,
+                          bh=block_h, dh=dh, layout=consts.layout, full_width=full_width_gemm,
                           nblk=nblk, n=n),
         grid=(hh, pl.cdiv(n, nblk), b),
         in_specs=kv_specs,

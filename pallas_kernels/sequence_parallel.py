@@ -148,7 +148,7 @@ def _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, *,
         return q, arrays
       q, packed = sq.streamed_qkv(x[:, :tokens], w_qkv, bias, q_norm_weight=q_norm_weight,
                                   k_norm_weight=k_norm_weight, rope_cos=cos[:tokens], rope_sin=sin[:tokens],
-                                  block_classes=classes, **dataclasses.asdict(proj))
+                                  block_classes=classes, **proj.kwargs())
       arrays = {n: _pad_axis(a, *_extent(plan, n, packed.meta)) for n, a in packed.arrays.items()}
       return _pad_axis(q, 1, s), arrays
     return run
@@ -185,16 +185,24 @@ def _gather_tokens(arrays: dict, plan: UlyssesPlan, meta: fmt.PackedKVMeta) -> d
 @dataclasses.dataclass(frozen=True)
 class _Proj:
   """The static settings of the local projection (``streamed_qkv``'s keywords)."""
-  rot_dim: int
-  heads: int
-  head_dim: int
+  layout: sq.QKVLayout
   k_scheme: str
   v_scheme: str
   rotation_seed_k: int
   rotation_seed_v: int
-  eps: float
   interpret: bool
   scratch_bytes: int
+
+  @property
+  def heads(self) -> int:
+    return self.layout.heads
+
+  @property
+  def head_dim(self) -> int:
+    return self.layout.head_dim
+
+  def kwargs(self) -> dict:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   def meta(self, batch, heads, tokens, classes) -> fmt.PackedKVMeta:
     return fmt.PackedKVMeta(batch, heads, self.head_dim, tokens, classes, self.k_scheme, self.v_scheme,
@@ -210,15 +218,18 @@ def _token_shards(x, rope_cos, rope_sin, devices, block_classes):
 
 
 def _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
-  """``body(x, cos, sin, w_qkv, bias or None, q_norm_weight, k_norm_weight)`` per device
-  under shard_map: x, cos and sin split by tokens, the rest replicated."""
-  with_bias = bias is not None
+  """``body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight)`` per device under
+  shard_map: x, cos and sin split by tokens, the rest replicated. An optional input
+  that is None crosses as an empty array and reaches ``body`` as None again."""
+  optional = [a is not None for a in (bias, q_norm_weight, k_norm_weight)]
   rep = P()
-  shard = jax.shard_map(lambda x, c, s, w, bb, qn, kn: body(x, c, s, w, bb if with_bias else None, qn, kn),
-                        mesh=mesh, check_vma=False, out_specs=out_specs,
+
+  def local(x, c, s, w, *opt):
+    return body(x, c, s, w, *(a if given else None for a, given in zip(opt, optional)))
+  shard = jax.shard_map(local, mesh=mesh, check_vma=False, out_specs=out_specs,
                         in_specs=(P(None, axis_name), P(axis_name), P(axis_name), rep, rep, rep, rep))
-  return shard(x, cos, sin, w_qkv, bias if with_bias else jnp.zeros((0,), jnp.bfloat16), q_norm_weight,
-               k_norm_weight)
+  empty = jnp.zeros((0,), jnp.float32)
+  return shard(x, cos, sin, w_qkv, *(empty if a is None else a for a in (bias, q_norm_weight, k_norm_weight)))
 
 
 _STATIC = ("mesh", "axis_name", "block_classes", "proj", "attention", "sm_scale", "sol_items")
@@ -266,12 +277,11 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
 _sharded_jit = jax.jit(_sharded, static_argnames=_STATIC)
 
 
-def _proj(heads, *, rot_dim, head_dim, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, eps, interpret,
-          scratch_bytes) -> _Proj:
-  if not isinstance(heads, (int, np.integer)) or heads <= 0:
-    raise ValueError(f"heads must be a positive int, got {heads!r}")
-  return _Proj(int(rot_dim), int(heads), int(head_dim), k_scheme, v_scheme, int(rotation_seed_k),
-               int(rotation_seed_v), float(eps), backend.resolve_interpret(interpret), int(scratch_bytes))
+def _proj(layout, *, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, interpret, scratch_bytes) -> _Proj:
+  if not isinstance(layout, sq.QKVLayout):
+    raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
+  return _Proj(layout, k_scheme, v_scheme, int(rotation_seed_k), int(rotation_seed_v),
+               backend.resolve_interpret(interpret), int(scratch_bytes))
 
 
 def _check_mesh_and_x(mesh, axis_name, x):
@@ -281,12 +291,13 @@ def _check_mesh_and_x(mesh, axis_name, x):
     raise ValueError(f"x must be (B, T, hidden) with B, T >= 1, got shape {tuple(x.shape)}")
 
 
-def _checked_call(x, w_qkv, bias, *, mesh, axis_name, heads, block_classes, attention, sol_options, sm_scale,
+def _checked_call(x, w_qkv, bias, *, mesh, axis_name, layout, block_classes, attention, sol_options, sm_scale,
                   q_norm_weight, k_norm_weight, rope_cos, rope_sin, **proj_kw):
   if attention not in ATTENTIONS + (None,):
     raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
   _check_mesh_and_x(mesh, axis_name, x)
-  proj = _proj(heads, **proj_kw)
+  proj = _proj(layout, **proj_kw)
+  heads = proj.heads
   devices = mesh.shape[axis_name]
   if heads % devices:
     good = [p for p in range(1, heads + 1) if heads % p == 0]
@@ -300,40 +311,40 @@ def _checked_call(x, w_qkv, bias, *, mesh, axis_name, heads, block_classes, atte
                       sol_items=sol_items)
 
 
-def ulysses_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_norm_weight, k_norm_weight,
-                            rope_cos, rope_sin, rot_dim, heads, head_dim, block_classes=None,
+def ulysses_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, layout: sq.QKVLayout,
+                            q_norm_weight=None, k_norm_weight=None, rope_cos, rope_sin, block_classes=None,
                             k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0,
-                            rotation_seed_v=1, eps=1e-5, attention="dense", sm_scale=None, sol_options=None,
+                            rotation_seed_v=1, attention="dense", sm_scale=None, sol_options=None,
                             scratch_bytes=sq.DEFAULT_SCRATCH_BYTES, interpret=None):
   """``layer.attention_layer`` over the ``axis_name`` axis of ``mesh``, tokens sharded.
 
   x (B, T, hidden) bf16 (any T >= 1; the layer pads to whole blocks per device),
-  rope_cos/rope_sin (T, D) f32, the rest as ``attention_layer`` (no masks: one sequence
+  rope tables with T rows, the rest as ``attention_layer`` (no masks: one sequence
   per batch row). Returns (B, T, H, D) bf16, un-rotated, sharded by tokens over
   ``axis_name``; equal to the single-device layer (same codes, the same attention per
   head). ``scratch_bytes`` bounds each device's projection and attention scratch.
   """
   return _checked_call(x, w_qkv, bias, mesh=mesh, axis_name=axis_name, q_norm_weight=q_norm_weight,
-                       k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin, rot_dim=rot_dim,
-                       heads=heads, head_dim=head_dim, block_classes=block_classes, k_scheme=k_scheme,
-                       v_scheme=v_scheme, rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v,
-                       eps=eps, attention=attention, sm_scale=sm_scale, sol_options=sol_options,
+                       k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin, layout=layout,
+                       block_classes=block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
+                       rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v,
+                       attention=attention, sm_scale=sm_scale, sol_options=sol_options,
                        scratch_bytes=scratch_bytes, interpret=interpret)
 
 
-def ulysses_qkv(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_norm_weight, k_norm_weight, rope_cos,
-                rope_sin, rot_dim, heads, head_dim, block_classes=None, k_scheme=fmt.DEFAULT_K_SCHEME,
-                v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0, rotation_seed_v=1, eps=1e-5,
+def ulysses_qkv(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, layout: sq.QKVLayout, q_norm_weight=None,
+                k_norm_weight=None, rope_cos, rope_sin, block_classes=None, k_scheme=fmt.DEFAULT_K_SCHEME,
+                v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0, rotation_seed_v=1,
                 scratch_bytes=sq.DEFAULT_SCRATCH_BYTES, interpret=None):
   """The layer's first half, for callers with their own attention: ``streamed_qkv`` on
   token shards, then the exchange. Returns (Q (B, T, H, D) bf16, PackedKV of all T
   tokens and H heads), both sharded by heads over ``axis_name``: the same values
   ``streamed_qkv`` gives on one device."""
   return _checked_call(x, w_qkv, bias, mesh=mesh, axis_name=axis_name, q_norm_weight=q_norm_weight,
-                       k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin, rot_dim=rot_dim,
-                       heads=heads, head_dim=head_dim, block_classes=block_classes, k_scheme=k_scheme,
-                       v_scheme=v_scheme, rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v,
-                       eps=eps, attention=None, sm_scale=None, sol_options=None, scratch_bytes=scratch_bytes,
+                       k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin, layout=layout,
+                       block_classes=block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
+                       rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v,
+                       attention=None, sm_scale=None, sol_options=None, scratch_bytes=scratch_bytes,
                        interpret=interpret)
 
 
@@ -408,10 +419,10 @@ def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, m
 _ring_jit = jax.jit(_ring, static_argnames=_RING_STATIC)
 
 
-def ring_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_norm_weight, k_norm_weight,
-                         rope_cos, rope_sin, rot_dim, heads, head_dim, block_classes=None,
+def ring_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, layout: sq.QKVLayout,
+                         q_norm_weight=None, k_norm_weight=None, rope_cos, rope_sin, block_classes=None,
                          k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0,
-                         rotation_seed_v=1, eps=1e-5, sm_scale=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES,
+                         rotation_seed_v=1, sm_scale=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES,
                          interpret=None):
   """The dense layer with ring attention over ``axis_name``: any number of devices P
   (heads need not divide). Each device projects its token shard, keeps its Q and
@@ -420,9 +431,8 @@ def ring_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, q_n
   partial outputs. Arguments and output as ``ulysses_attention_layer`` (dense only:
   Sol routes over the whole sequence at once)."""
   _check_mesh_and_x(mesh, axis_name, x)
-  proj = _proj(heads, rot_dim=rot_dim, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme,
-               rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, eps=eps, interpret=interpret,
-               scratch_bytes=scratch_bytes)
+  proj = _proj(layout, k_scheme=k_scheme, v_scheme=v_scheme, rotation_seed_k=rotation_seed_k,
+               rotation_seed_v=rotation_seed_v, interpret=interpret, scratch_bytes=scratch_bytes)
   classes = None if block_classes is None else tuple(int(c) for c in block_classes)
   return _ring_jit(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, mesh=mesh, axis_name=axis_name,
                    block_classes=classes, proj=proj, sm_scale=sm_scale)

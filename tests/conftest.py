@@ -10,7 +10,14 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+_SLOW = {line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"))
+         if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if item.nodeid in _SLOW:
+      item.add_marker(pytest.mark.slow)
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="gpu marker: no CUDA GPU visible to JAX on this machine; "

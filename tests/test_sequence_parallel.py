@@ -40,7 +40,7 @@ def _worker_on(case: dict, mesh) -> dict:
   classes = fmt.resolve_block_classes(t, [tuple(r) for r in case["ranges"]]) if case["ranges"] else None
   kw = dict(q_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
             k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32), rope_cos=cos, rope_sin=sin,
-            rot_dim=rot, heads=h, head_dim=d, block_classes=classes, interpret=case.get("interpret", True))
+            layout=sq.QKVLayout.h3(h, d, rot), block_classes=classes, interpret=case.get("interpret", True))
   rec = {"plan": sp.ulysses_plan(t, devices, classes).local_tokens}
   if case.get("ring"):
     ref = layer.attention_layer(x, w, bias, **kw)

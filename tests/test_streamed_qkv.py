@@ -17,25 +17,30 @@ import pytest
 from pallas_kernels.testing import cosine, rel_err
 from formats import packed_kv as fmt
 from pallas_kernels import rope
-from pallas_kernels.projection import (chunk_rows, chunk_scratch_bytes, reference_rotated_qkv,
-                                         streamed_qkv, streamed_qkv_reference)
+from pallas_kernels.projection import (ProjectionTuning, chunk_rows, chunk_scratch_bytes, projected_qkv_f32,
+                                       streamed_qkv, streamed_qkv_reference)
+from pallas_kernels.qkv_layout import QKVLayout
 
 
-def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias="f32", seed=0):
-  """Random bf16 x, W and f32 norm weights; per-channel K offsets via the bias."""
+def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias="f32", seed=0, norm="head",
+                rope_style="half", rope_per_head=False):
+  """Random bf16 x, W and f32 norm weights; per-channel K offsets via the bias. The
+  RoPE tables have random angles (each head its own with ``rope_per_head``)."""
   rng = np.random.default_rng(seed)
+  layout = QKVLayout(heads, head_dim, norm, rope_style, rot_dim, rope_per_head=rope_per_head)
   x = jnp.asarray(rng.normal(size=(b, t, hidden)), jnp.bfloat16)
   w = jnp.asarray(rng.normal(size=(hidden, 3 * heads * head_dim)) / np.sqrt(hidden), jnp.bfloat16)
   bias_arr = None
   if bias is not None:
     bias_arr = jnp.asarray(rng.normal(0.0, 0.5, size=(3 * heads * head_dim,)),
                            jnp.float32 if bias == "f32" else jnp.bfloat16)
-  angles = rng.uniform(0.0, 2 * np.pi, size=(t, rot_dim // 2))
-  cos, sin = rope.rope_tables(angles, head_dim)
-  kw = dict(q_norm_weight=jnp.asarray(1 + 0.3 * rng.normal(size=head_dim), jnp.float32),
-            k_norm_weight=jnp.asarray(1 + 0.3 * rng.normal(size=head_dim), jnp.float32),
-            rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin), rot_dim=rot_dim, heads=heads,
-            head_dim=head_dim)
+  tables = [rope.rope_tables(rng.uniform(0.0, 2 * np.pi, size=(t, rot_dim // 2)), head_dim, rope_style)
+            for _ in range(heads if rope_per_head else 1)]
+  cos, sin = (np.concatenate([tab[i] for tab in tables], axis=1) for i in (0, 1))
+  weight = lambda: (None if norm == "none" else
+                    jnp.asarray(1 + 0.3 * rng.normal(size=layout.norm_width), jnp.float32))
+  kw = dict(layout=layout, q_norm_weight=weight(), k_norm_weight=weight(), rope_cos=jnp.asarray(cos),
+            rope_sin=jnp.asarray(sin))
   return x, w, bias_arr, kw
 
 
@@ -85,7 +90,7 @@ def check_against_reference(q, packed, x, w, bias, kw, meta_kw):
     np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=name)
 
   # Dequantized K/V: as close to the f32 rotated values as the reference's own.
-  _, k32, v32 = reference_rotated_qkv(x, w, bias, **kw, **{
+  _, k32, v32 = projected_qkv_f32(x, w, bias, **kw, **{
       k: v for k, v in meta_kw.items() if k.startswith("rotation")})
   kd, vd = _dequantize(packed)
   kr, vr = _dequantize(ref)
@@ -119,12 +124,63 @@ def test_matches_reference(method, head_dim, rot_dim, k_scheme, v_scheme, bias, 
                  rotation_seed_k=3, rotation_seed_v=4)
   # chunked: 128-row chunks over T = 200 (a full chunk, then a ragged one) for both
   # batch rows; or the whole sequence in one padded chunk.
-  tune = (dict(full_width_gemm=full_width) if method == "fused" else
+  tune = (dict(tuning=ProjectionTuning(full_width_gemm=full_width)) if method == "fused" else
           dict(scratch_bytes=rows_scratch(128 if full_width else 256, x, 2, head_dim)))
   q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method=method, **tune)
   assert q.shape == (2, 200, 2, head_dim) and q.dtype == jnp.bfloat16
   assert packed.meta.rotation_seed_k == 3 and packed.meta.rotation_seed_v == 4
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
+
+
+LAYOUTS = [
+    # (norm, rope style, rot_dim, per-head tables): Wan (RMSNorm across heads, pairs over
+    # the whole head), LTX-Video (across heads, pairs, each head its own frequencies),
+    # HunyuanVideo (per head, pairs), no norm at all.
+    ("across", "pairs", 64, False),
+    ("across", "pairs", 64, True),
+    ("head", "pairs", 48, False),
+    ("none", "half", 32, False),
+]
+
+
+@pytest.mark.parametrize("norm,rope_style,rot_dim,per_head", LAYOUTS)
+def test_layouts_match_reference(norm, rope_style, rot_dim, per_head):
+  """Every QK-norm and RoPE layout, chunked (every layout) and fused (where it runs;
+  elsewhere it names the chunked method), against the float32 reference."""
+  x, w, b, kw = make_inputs(b=2, t=150, hidden=96, heads=2, head_dim=64, rot_dim=rot_dim, seed=31, norm=norm,
+                            rope_style=rope_style, rope_per_head=per_head)
+  meta_kw = dict(block_classes=(1, 0, 2))
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
+                           scratch_bytes=rows_scratch(64, x, 2, 64))
+  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  if norm == "across" or per_head:
+    with pytest.raises(NotImplementedError, match="use method='chunked'"):
+      streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused")
+  else:
+    q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused")
+    check_against_reference(q, packed, x, w, b, kw, meta_kw)
+
+
+def test_layout_reference_matches_the_models_own_formulas():
+  """The layout's reference is the models' math: Wan's RMSNorm over all H*D channels
+  and its complex-multiply RoPE on adjacent pairs, written out independently."""
+  rng = np.random.default_rng(0)
+  b, t, h, d = 1, 5, 3, 64
+  z = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  wgt = rng.normal(size=(h * d,)).astype(np.float32)
+  ang = rng.uniform(0, 6, size=(t, d // 2))
+  layout = QKVLayout(h, d, "across", "pairs", d, eps=1e-6)
+  from pallas_kernels.qkv_layout import rms_norm_reference
+  flat = z.reshape(b, t, h * d)
+  want = (flat / np.sqrt(np.mean(flat ** 2, -1, keepdims=True) + 1e-6) * wgt).reshape(b, t, h, d)
+  np.testing.assert_allclose(np.asarray(rms_norm_reference(jnp.asarray(z), wgt, layout)), want, rtol=1e-5,
+                             atol=1e-6)
+  cos, sin = rope.rope_tables(ang, d, "pairs")
+  c = z[..., 0::2] + 1j * z[..., 1::2]
+  r = c * np.exp(1j * ang)[None, :, None, :]
+  want = np.stack([r.real, r.imag], -1).reshape(b, t, h, d)
+  got = rope.apply_rope_reference(z, cos, sin, d, "pairs")
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tuning", [
@@ -141,7 +197,8 @@ def test_programs_with_several_heads_or_blocks(tuning):
   meta_kw = dict(block_classes=(0, 1, 0, 0) if heads == 2 else (2, 0, 1, 2),
                  k_scheme="channel" if heads == 2 else "token",
                  v_scheme="token" if heads == 2 else "token_g64")
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused", **tuning)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused",
+                           tuning=ProjectionTuning(**tuning))
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
 
 
@@ -163,9 +220,9 @@ def test_chunks_of_one_block_and_poisoned_buffers():
   for name, (shape, dtype) in fmt.buffer_specs(meta).items():
     if shape[2]:
       poison[name] = jnp.full(shape, 255 if dtype == "uint8" else jnp.nan, dtype)
-  consts = epilogue_constants(64, 48, 0, 1, kw["q_norm_weight"], kw["k_norm_weight"])
+  consts = epilogue_constants(kw["layout"], 0, 1, kw["q_norm_weight"], kw["k_norm_weight"])
   q2, packed2 = jax.jit(lambda x, w, b, cos, sin, init: sq._chunked(
-      x, w, b, cos, sin, consts, meta, rows=64, eps=1e-5, interpret=True, init=init))(
+      x, w, b, cos, sin, consts, meta, rows=64, interpret=True, init=init))(
           x, w, b, kw["rope_cos"], kw["rope_sin"], poison)
   np.testing.assert_array_equal(np.asarray(q2, np.float32), np.asarray(q, np.float32))
   for name in fmt.ARRAY_NAMES:
@@ -180,8 +237,8 @@ def test_mixed_policy_and_padded_tail():
   assert set(classes) == {0, 1, 2} and classes[-1] == 2
   x, w, b, kw = make_inputs(t=t, head_dim=64, rot_dim=48, hidden=96, seed=7)  # ragged hidden
   meta_kw = dict(block_classes=classes)
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, block_q=64, block_h=64,
-                           full_width_gemm=True, method="fused")
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused",
+                           tuning=ProjectionTuning(block_q=64, block_h=64, full_width_gemm=True))
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
   q2, packed2 = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
                              scratch_bytes=rows_scratch(128, x, 2, 64))
@@ -233,17 +290,20 @@ def _bad(**changes):
     (lambda a: dict(w_qkv=a["w_qkv"].astype(jnp.float32)), "w_qkv must be a 2-D bfloat16"),
     (lambda a: dict(w_qkv=a["w_qkv"][:32]), r"w_qkv must be \(hidden, 3\*H\*D\)"),
     (lambda a: dict(w_qkv=a["w_qkv"][:, :100]), r"w_qkv must be \(hidden, 3\*H\*D\)"),
-    (lambda a: dict(heads=2), r"w_qkv must be \(hidden, 3\*H\*D\)"),
-    (lambda a: dict(head_dim=96), "head_dim=96 is not supported"),
-    (lambda a: dict(rot_dim=31), "rot_dim must be even"),
-    (lambda a: dict(rot_dim=66), "rot_dim must be even"),
+    (lambda a: dict(layout=QKVLayout.h3(2, 64, 32)), r"w_qkv must be \(hidden, 3\*H\*D\)"),
+    (lambda a: dict(layout="h3"), "layout must be a QKVLayout"),
     (lambda a: dict(rope_cos=a["rope_cos"][:, :32]), r"rope_cos must be \(T, D\)"),
     (lambda a: dict(rope_sin=a["rope_sin"][:60]), r"rope_sin must be \(T, D\)"),
+    (lambda a: dict(layout=QKVLayout(1, 64, "across", "half", 32), q_norm_weight=jnp.ones((32,))),
+     r"q_norm_weight must be \(64,\) for norm='across'"),
+    (lambda a: dict(layout=QKVLayout(1, 64, "none", "half", 32)), "q_norm_weight given, but the layout has norm='none'"),
+    (lambda a: dict(layout=QKVLayout(1, 64, "head", "pairs", 32, rope_per_head=True), rope_cos=a["rope_cos"][:, :32]),
+     r"rope_cos must be \(T, H\*D\)"),
     (lambda a: dict(block_classes=(0,)), "block_classes has 1 entries, need 2"),
     (lambda a: dict(block_classes=(0, 5)), "block_classes entries"),
     (lambda a: dict(k_scheme="group"), "k_scheme 'group' unknown"),
     (lambda a: dict(bias=a["bias"][:10]), r"bias must be \(3\*H\*D,\)"),
-    (lambda a: dict(q_norm_weight=jnp.ones((32,))), r"q_norm_weight must be \(64,\)"),
+    (lambda a: dict(q_norm_weight=jnp.ones((32,))), r"q_norm_weight must be \(64,\) for norm='head'"),
     (lambda a: dict(x=a["x"][:, :0], rope_cos=a["rope_cos"][:0], rope_sin=a["rope_sin"][:0]),
      "x has an empty axis"),
     (lambda a: dict(x=a["x"][:0]), "x has an empty axis"),
@@ -258,16 +318,35 @@ def test_bad_inputs(changes, match):
     streamed_qkv_reference(x, w, b, **args)
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda: QKVLayout(1, 96), "head_dim=96 is not supported"),
+    (lambda: QKVLayout(0, 64), "heads must be a positive int"),
+    (lambda: QKVLayout.h3(1, 64, 31), "rot_dim must be even"),
+    (lambda: QKVLayout.h3(1, 64, 66), "rot_dim must be even"),
+    (lambda: QKVLayout(1, 64, norm="layer"), "norm must be one of"),
+    (lambda: QKVLayout(1, 64, rope="complex"), "rope must be one of"),
+    (lambda: QKVLayout(1, 64, eps=0.0), "eps must be positive"),
+    (lambda: QKVLayout.from_json("{bad"), "layout must be QKVLayout.to_json"),
+    (lambda: ProjectionTuning(gemm_dtype="float16"), "gemm_dtype must be"),
+    (lambda: ProjectionTuning(epilogue_num_warps=3), "epilogue_num_warps must be"),
+])
+def test_bad_layout_and_tuning(make, match):
+  """Configs validate themselves once, at construction."""
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
 def test_bad_tiles():
   x, w, b, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
+  tune = lambda **k: dict(tuning=ProjectionTuning(**k))
   with pytest.raises(ValueError, match="block_q must be a power of two"):
-    streamed_qkv(x, w, b, **kw, interpret=True, block_q=96)
+    streamed_qkv(x, w, b, **kw, interpret=True, **tune(block_q=96))
   with pytest.raises(ValueError, match="q_heads_per_program=2 must divide heads=1"):
-    streamed_qkv(x, w, b, **kw, interpret=True, q_heads_per_program=2)
+    streamed_qkv(x, w, b, **kw, interpret=True, **tune(q_heads_per_program=2))
   with pytest.raises(ValueError, match="q_heads_per_program must be 1, 2 or 4"):
-    streamed_qkv(x, w, b, **kw, interpret=True, q_heads_per_program=3)
+    streamed_qkv(x, w, b, **kw, interpret=True, **tune(q_heads_per_program=3))
   with pytest.raises(ValueError, match="kv_blocks_per_program must be 1 or 2"):
-    streamed_qkv(x, w, b, **kw, interpret=True, kv_blocks_per_program=4)
+    streamed_qkv(x, w, b, **kw, interpret=True, **tune(kv_blocks_per_program=4))
   with pytest.raises(ValueError, match="method must be one of"):
     streamed_qkv(x, w, b, **kw, interpret=True, method="cublas")
   with pytest.raises(ValueError, match="holds no 64-row chunk"):
@@ -288,7 +367,7 @@ def _abstract(b, t, hidden, heads, head_dim, rot_dim, bias=True):
   x, w = sd((b, t, hidden), jnp.bfloat16), sd((hidden, 3 * heads * head_dim), jnp.bfloat16)
   bias = sd((3 * heads * head_dim,), jnp.float32) if bias else None
   return x, w, bias, dict(q_norm_weight=nw, k_norm_weight=nw, rope_cos=tab, rope_sin=tab,
-                          rot_dim=rot_dim, heads=heads, head_dim=head_dim)
+                          layout=QKVLayout.h3(heads, head_dim, rot_dim))
 
 
 _MULTI = dict(q_heads_per_program=2, kv_blocks_per_program=2)
@@ -308,7 +387,7 @@ def test_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_scheme, hidden, bias
   x, w, b, kw = _abstract(1, 200, hidden, 2, head_dim, rot_dim, bias)
   lowered = streamed_qkv.trace(x, w, b, **kw, block_classes=(0, 1, 2, 0), k_scheme=k_scheme,
                                v_scheme=v_scheme, interpret=False, method="fused",
-                               **tuning).lower(lowering_platforms=("cuda",))
+                               tuning=ProjectionTuning(**tuning)).lower(lowering_platforms=("cuda",))
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4  # Q + three classes
 
 
@@ -363,8 +442,9 @@ def big_buffers(buffers, threshold, allowed):
   return sorted({ty for size, ty in buffers if size >= threshold and ty not in allowed})
 
 
-def anti_pattern(x, w, bias=None, *, heads, head_dim, **_):
+def anti_pattern(x, w, bias=None, *, layout, **_):
   """BF16 QKV, then quantize: the allocation the kernel exists to avoid."""
+  heads, head_dim = layout.heads, layout.head_dim
   b, t, _ = x.shape
   y = (x @ w).reshape(b, t, 3, heads, head_dim)
   meta = fmt.PackedKVMeta(b, heads, head_dim, t, (0,) * (-(-t // 64)))
@@ -401,7 +481,7 @@ def test_no_full_qkv_in_gpu_program(method):
   text = streamed_qkv.trace(x, w, **kw, interpret=False, **_method_kw(method, 8)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert big_buffers(stablehlo_tensors(text), q_bytes, q_types) == []
-  bad = jax.jit(anti_pattern, static_argnames=("heads", "head_dim", "rot_dim")).trace(
+  bad = jax.jit(anti_pattern, static_argnames=("layout",)).trace(
       x, w, **kw).lower(lowering_platforms=("cuda",)).as_text()
   assert big_buffers(stablehlo_tensors(bad), q_bytes, q_types) != []
 
@@ -418,8 +498,7 @@ def test_no_full_qkv_in_compiled_interpret():
   for heads in (8, 16):
     x, w, kw, q_bytes, q_types = _mem_case(heads)
     for name, fn in (("kernel", streamed_qkv),
-                     ("anti", jax.jit(anti_pattern, static_argnames=("heads", "head_dim",
-                                                                     "rot_dim")))):
+                     ("anti", jax.jit(anti_pattern, static_argnames=("layout",)))):
       extra = _method_kw(method, heads) if name == "kernel" else {}
       c = fn.trace(x, w, **kw, **extra).lower().compile()
       compiled[name, heads] = (c, q_bytes, q_types)
@@ -455,11 +534,12 @@ def test_gpu_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, tuning):
                             seed=5)
   classes = fmt.resolve_block_classes(t, [(0, 100, "bf16"), (300, 420, "int8")])
   meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme)
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, method="fused", **tuning)
+  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, method="fused",
+                           tuning=ProjectionTuning(**tuning))
   check_against_reference(q, packed, x, w, b, kw, meta_kw)
   # On the GPU, the fused kernel's temp memory holds no K/V-sized buffer at all.
   compiled = streamed_qkv.trace(x, w, b, **kw, **meta_kw, interpret=False, method="fused",
-                                **tuning).lower().compile()
+                                tuning=ProjectionTuning(**tuning)).lower().compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < x.shape[0] * t * 4 * head_dim * 2, temp
   if not tuning:
@@ -489,8 +569,9 @@ def test_bf16_gemm_output_rounds_only_the_projection():
   within one step; a wrong dtype names the choices."""
   x, w, b, kw = make_inputs(seed=11)
   q_ref, ref = streamed_qkv_reference(x, w, b, **kw, block_classes=(1, 0, 2, 0))
-  q, packed = streamed_qkv(x, w, b, **kw, block_classes=(1, 0, 2, 0), method="chunked", gemm_dtype="bfloat16",
-                           scratch_bytes=rows_scratch(128, x, kw["heads"], kw["head_dim"]))
+  q, packed = streamed_qkv(x, w, b, **kw, block_classes=(1, 0, 2, 0), method="chunked",
+                           tuning=ProjectionTuning(gemm_dtype="bfloat16"),
+                           scratch_bytes=rows_scratch(128, x, kw["layout"].heads, kw["layout"].head_dim))
   qf, qr = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
   assert np.isfinite(qf).all()
   assert rel_err(qf, qr) < 1e-2 and cosine(qf, qr) > 0.9999
@@ -499,4 +580,4 @@ def test_bf16_gemm_output_rounds_only_the_projection():
                   _unpacked_codes(ref, role, "int4").astype(np.int32))
     assert diff.max() <= 1 and diff.mean() < 0.05
   with pytest.raises(ValueError, match="gemm_dtype must be"):
-    streamed_qkv(x, w, b, **kw, gemm_dtype="float16")
+    ProjectionTuning(gemm_dtype="float16")

@@ -7,6 +7,7 @@ anything starts JAX's GPU backend, or the policy cannot apply (a warning then sa
 
 Public surface:
 
+* ``QKVLayout``: how a block makes q and k (heads, QK norm, RoPE style), as in JAX.
 * ``streamed_qkv`` / ``packed_attention`` / ``sol_attention``: eager front ends over
   the custom ops ``torch.ops.packed_kv.{streamed_qkv, packed_attention, sol_attention}``.
 * ``required_bytes``: the device memory an H3 attention block needs above what the
@@ -18,6 +19,10 @@ Public surface:
 from torch_bridge import allocator
 
 allocator.configure()
+
+import torch  # noqa: E402
+
+allocator.check_jax_sees_the_gpu(torch.cuda.is_available(), allocator.jax_cuda_plugin(), torch.version.cuda)
 
 # torch imports torch._dynamo lazily, on the first call of any custom op (its
 # disable-dynamo wrapper). That import leaves a reference cycle holding the calling
@@ -34,8 +39,9 @@ from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_ten
 from torch_bridge.ops import (packed_attention, required_bytes, segment_ids_from_cu_seqlens,  # noqa: E402
                              sol_attention, streamed_qkv)
 from torch_bridge.attention_module import PackedH3Attention, ReferenceH3Attention  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
 
 __all__ = ["allocator_status", "check_allocator", "BridgeError", "to_jax", "to_torch", "TorchPackedKV",
            "meta_from_json", "meta_from_tensor", "meta_to_json", "meta_to_tensor", "torch_buffer_specs",
            "packed_attention", "required_bytes", "segment_ids_from_cu_seqlens", "sol_attention", "streamed_qkv",
-           "PackedH3Attention", "ReferenceH3Attention"]
+           "PackedH3Attention", "QKVLayout", "ReferenceH3Attention"]

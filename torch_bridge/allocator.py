@@ -60,6 +60,47 @@ def configure() -> None:
     os.environ.setdefault(ALLOCATOR_VAR, "platform")
 
 
+ALLOW_CPU_JAX_VAR = "TORCH_BRIDGE_ALLOW_CPU_JAX"
+
+
+def jax_cuda_plugin() -> str | None:
+  """The JAX CUDA plugin installed (its ``jax_plugins`` module, e.g. 'xla_cuda13', or its
+  distribution, e.g. 'jax-cuda13-plugin'), or None; found without starting JAX."""
+  import pkgutil
+  from importlib import metadata
+  try:
+    import jax_plugins
+    found = next((m.name for m in pkgutil.iter_modules(jax_plugins.__path__) if "cuda" in m.name), None)
+    if found:
+      return found
+  except ImportError:
+    pass
+  for name in ("jax-cuda13-plugin", "jax-cuda12-plugin", "jax-cuda13-pjrt", "jax-cuda12-pjrt"):
+    try:
+      metadata.version(name)
+      return name
+    except metadata.PackageNotFoundError:
+      continue
+  return None
+
+
+def check_jax_sees_the_gpu(torch_cuda: bool, plugin: str | None, torch_cuda_version: str | None) -> None:
+  """Raise ImportError when torch has a CUDA GPU but JAX has no CUDA plugin: every op
+  would refuse CUDA tensors later, so say it once, at import, with the pip command.
+  ``TORCH_BRIDGE_ALLOW_CPU_JAX=1`` allows it (the kernels then run on CPU tensors in
+  JAX's interpreter)."""
+  if not torch_cuda or plugin is not None:
+    return
+  if os.environ.get(ALLOW_CPU_JAX_VAR, "").strip() not in ("", "0", "false"):
+    return
+  major = (torch_cuda_version or "13").split(".")[0]
+  extra = "cuda12" if major == "12" else "cuda13"
+  raise ImportError(f"torch sees a CUDA GPU but JAX has no CUDA plugin, so the kernels cannot run on it. Install "
+                    f"one next to your torch (CUDA {torch_cuda_version}): pip install 'jax[{extra}]' (or "
+                    f"pip install 'packed-kv-attention[cuda]'); set {ALLOW_CPU_JAX_VAR}=1 to import anyway and run "
+                    "the kernels on CPU tensors in JAX's interpreter")
+
+
 def _env_preallocates() -> bool:
   return os.environ.get(PREALLOCATE_VAR, "true").strip().lower() not in ("false", "0", "no")
 

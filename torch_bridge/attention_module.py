@@ -29,13 +29,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import json
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import formats
-from pallas_kernels.layer import required_bytes
+from pallas_kernels.layer import check_attention, required_bytes
 from pallas_kernels.projection import DEFAULT_SCRATCH_BYTES
+from pallas_kernels.qkv_layout import QKVLayout
 
 
 class RMSNorm(nn.Module):
@@ -63,11 +66,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: i
   return x * cos[:, None, :] + partner * sin[:, None, :]
 
 
-def _h3_defaults(head_dim: int, rot_dim: int | None) -> int:
-  rot_dim = (3 * head_dim) // 4 if rot_dim is None else rot_dim
-  if rot_dim % 2 or not 0 <= rot_dim <= head_dim:
-    raise ValueError(f"rot_dim must be even and in [0, head_dim={head_dim}], got {rot_dim}")
-  return rot_dim
+def sol_options_json(sol_options: dict | None) -> str:
+  """Sol's settings for the layer op (JSON text), checked by the layer's own rule."""
+  opts = check_attention("sol", sol_options, ())
+  return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items() if v is not None},
+                    sort_keys=True)
 
 
 class ReferenceH3Attention(nn.Module):
@@ -78,7 +81,7 @@ class ReferenceH3Attention(nn.Module):
                dtype: torch.dtype = torch.bfloat16, device=None):
     super().__init__()
     self.hidden, self.heads, self.head_dim = hidden, heads, head_dim
-    self.rot_dim = _h3_defaults(head_dim, rot_dim)
+    self.rot_dim = QKVLayout.h3(heads, head_dim, rot_dim, eps).rot_dim
     self.qkv_proj = nn.Linear(hidden, 3 * heads * head_dim, bias=qkv_bias, dtype=dtype, device=device)
     self.q_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
     self.k_norm = RMSNorm(head_dim, eps, dtype=dtype, device=device)
@@ -183,14 +186,12 @@ class PackedH3Attention(nn.Module):
       raise ValueError(f"default_class {default_class!r} unknown; use one of {formats.CLASSES}")
     if attention not in ("dense", "sol"):
       raise ValueError(f"attention must be 'dense' or 'sol', got {attention!r}")
-    sol = dict(tau=1.0, sink_blocks=None, sink_q=None, topk_ratio=0.0, tail=True, max_exact=None)
-    unknown = set(sol_options or {}) - set(sol)
-    if unknown:
-      raise ValueError(f"unknown sol_options {sorted(unknown)}; use {sorted(sol)}")
-    self.attention, self.sol_options = attention, sol | dict(sol_options or {})
+    self.attention, self.sol_options = attention, dict(sol_options or {})
+    self._sol_json = sol_options_json(sol_options) if attention == "sol" else ""
     self.hidden, self.heads, self.head_dim = hidden, heads, head_dim
-    self.rot_dim = _h3_defaults(head_dim, rot_dim)
-    self.eps = eps
+    self.layout = QKVLayout.h3(heads, head_dim, rot_dim, eps)
+    self._layout_json = self.layout.to_json()
+    self.rot_dim, self.eps = self.layout.rot_dim, eps
     self.k_scheme, self.v_scheme = k_scheme, v_scheme
     self.rotation_seed_k, self.rotation_seed_v = rotation_seed_k, rotation_seed_v
     self.default_class = formats.CLASS_ID[default_class]
@@ -221,12 +222,9 @@ class PackedH3Attention(nn.Module):
       classes = [self.default_class] * (-(-t // formats.BLOCK))
     else:
       classes = [int(c) for c in block_classes]
-    so = self.sol_options
     o = torch.ops.packed_kv.attention_layer(
         x, self.qkv_proj.weight_t, self.qkv_proj.bias, self.q_norm.weight.float(), self.k_norm.weight.float(),
-        rope_cos, rope_sin, self.rot_dim, h, d, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
-        self.rotation_seed_v, self.eps, self.attention, self.sm_scale, segment_ids, kv_mask, kv_lengths,
-        float(so["tau"]), None if so["sink_blocks"] is None else list(so["sink_blocks"]),
-        None if so["sink_q"] is None else list(so["sink_q"]), float(so["topk_ratio"]), bool(so["tail"]),
-        so["max_exact"], self.scratch_bytes, self.interpret)
+        rope_cos, rope_sin, self._layout_json, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
+        self.rotation_seed_v, self.attention, self.sm_scale, segment_ids, kv_mask, kv_lengths, self._sol_json,
+        self.scratch_bytes, self.interpret)
     return self.o_proj(o.reshape(b, t, h * d))

@@ -15,21 +15,22 @@ inside a dataclass then.
 
 Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)``):
 
-* ``packed_kv::streamed_qkv(x, w_qkv, bias?, q_norm_weight, k_norm_weight, rope_cos,
-  rope_sin, rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme,
-  rotation_seed_k, rotation_seed_v, eps, method, scratch_bytes, interpret?) -> (q, *packed)``:
-  17 tensors.
+* ``packed_kv::streamed_qkv(x, w_qkv, bias?, q_norm_weight?, k_norm_weight?, rope_cos,
+  rope_sin, layout, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+  method, scratch_bytes, interpret?) -> (q, *packed)``: 17 tensors. ``layout`` is
+  ``QKVLayout.to_json()`` text (heads, head dim, QK norm, RoPE style, eps).
 * ``packed_kv::packed_attention(q, packed[16], num_tokens, block_classes, k_scheme,
   v_scheme, rotation_seed_k, rotation_seed_v, sm_scale?, q_segment_ids?,
   kv_segment_ids?, kv_mask?, kv_lengths?, keep_rotated, method, scratch_bytes, interpret?) -> o``.
 * ``packed_kv::sol_attention(q, packed[16], num_tokens, block_classes, k_scheme,
   v_scheme, rotation_seed_k, rotation_seed_v, tau, sm_scale?, sink_blocks?, sink_q?,
   key_bias?, topk_ratio, tail, block_len?, max_exact?, keep_rotated, interpret?) -> o``.
-* ``packed_kv::attention_layer(x, w_qkv, bias?, q_norm_weight, k_norm_weight, rope_cos,
-  rope_sin, rot_dim, heads, head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k,
-  rotation_seed_v, eps, attention, sm_scale?, segment_ids?, kv_mask?, kv_lengths?, tau,
-  sink_blocks?, sink_q?, topk_ratio, tail, max_exact?, scratch_bytes, interpret?) -> o``:
-  projection and attention in one JAX call, the output over Q (``pallas_kernels.layer``).
+* ``packed_kv::attention_layer(x, w_qkv, bias?, q_norm_weight?, k_norm_weight?, rope_cos,
+  rope_sin, layout, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
+  attention, sm_scale?, segment_ids?, kv_mask?, kv_lengths?, sol_options, scratch_bytes,
+  interpret?) -> o``: projection and attention in one JAX call, the output over Q
+  (``pallas_kernels.layer``); ``sol_options`` is JSON text of Sol's settings ("" for
+  dense).
 
 Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
 stream-ordered; outputs are freed the moment torch drops them; read that module's
@@ -46,6 +47,7 @@ device the bridge gives torch's cached free blocks back to the device
 """
 from __future__ import annotations
 
+import json
 from typing import Optional, Sequence
 
 import torch
@@ -56,6 +58,7 @@ from pallas_kernels import attention as jattention
 from pallas_kernels import layer as jlayer
 from pallas_kernels import sol as jsol
 from pallas_kernels import projection as jqkv
+from pallas_kernels.qkv_layout import QKVLayout
 from torch_bridge import allocator, dlpack
 from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
 
@@ -109,50 +112,58 @@ def _default_classes(num_tokens: int) -> list[int]:
 # --------------------------------------------------------------------------------------
 # Streamed projection
 # --------------------------------------------------------------------------------------
-def _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-              head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-              *, real: bool) -> PackedKVMeta:
+def _layout(layout) -> QKVLayout:
+  """The op's layout argument (``QKVLayout.to_json()`` text) as a QKVLayout."""
+  try:
+    return QKVLayout.from_json(layout)
+  except (TypeError, ValueError) as e:
+    raise dlpack.BridgeError(f"layout rejected: {e}") from None
+
+
+def _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout: QKVLayout, block_classes,
+              k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, *, real: bool) -> PackedKVMeta:
   """Validate the projection's inputs; return the metadata of its packed K/V."""
   _check(x, "x", real=real, dtype=torch.bfloat16, ndim=3)
   b, t, hidden = x.shape
-  width = 3 * heads * head_dim
   dev = x.device
-  _check(w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, width), device=dev)
-  _check(bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(width,), device=dev)
-  _check(q_norm_weight, "q_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,), device=dev)
-  _check(k_norm_weight, "k_norm_weight", real=real, dtype=torch.float32, shape=(head_dim,), device=dev)
-  _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, shape=(t, head_dim), device=dev)
-  _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, shape=(t, head_dim), device=dev)
-  if rot_dim % 2 or not 0 <= rot_dim <= head_dim:
-    raise dlpack.BridgeError(f"rot_dim must be even and in [0, head_dim={head_dim}], got {rot_dim}")
+  _check(w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, layout.width), device=dev)
+  _check(bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,), device=dev)
+  for name, wgt in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+    _check(wgt, name, real=real, dtype=torch.float32, device=dev)
+  _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, device=dev)
+  _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, device=dev)
   try:
-    return PackedKVMeta(b, heads, head_dim, t, tuple(int(c) for c in block_classes), k_scheme,
+    layout.check_norm_weights(q_norm_weight, k_norm_weight)
+    layout.check_tables(rope_cos, rope_sin, t)
+    return PackedKVMeta(b, layout.heads, layout.head_dim, t, tuple(int(c) for c in block_classes), k_scheme,
                         v_scheme, int(rotation_seed_k), int(rotation_seed_v))
   except ValueError as e:
-    raise dlpack.BridgeError(f"packed K/V settings rejected by the format: {e}") from None
+    raise dlpack.BridgeError(f"projection inputs rejected: {e}") from None
+
+
+def _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin) -> dict:
+  return {"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight,
+          "rope_cos": rope_cos, "rope_sin": rope_sin}
 
 
 @torch.library.custom_op(f"{NAMESPACE}::streamed_qkv", mutates_args=())
 def _streamed_qkv_op(
-    x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rot_dim: int,
-    heads: int, head_dim: int, block_classes: Sequence[int], k_scheme: str, v_scheme: str,
-    rotation_seed_k: int, rotation_seed_v: int, eps: float, method: str, scratch_bytes: int,
-    interpret: Optional[bool],
+    x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: Optional[torch.Tensor],
+    k_norm_weight: Optional[torch.Tensor], rope_cos: torch.Tensor, rope_sin: torch.Tensor, layout: str,
+    block_classes: Sequence[int], k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
+    method: str, scratch_bytes: int, interpret: Optional[bool],
 ) -> _QKV_RESULT:
-  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                   head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-                   real=True)
-  _enter_jax({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
-              "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin}, interpret)
-  j = dlpack.to_jax
+  lay = _layout(layout)
+  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes, k_scheme,
+                   v_scheme, rotation_seed_k, rotation_seed_v, real=True)
+  inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
+  _enter_jax(inputs, interpret)
+  j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
   q, packed = jqkv.streamed_qkv(
-      j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"), q_norm_weight=j(q_norm_weight, "q_norm_weight"),
-      k_norm_weight=j(k_norm_weight, "k_norm_weight"), rope_cos=j(rope_cos, "rope_cos"),
-      rope_sin=j(rope_sin, "rope_sin"), rot_dim=int(rot_dim), heads=int(heads),
-      head_dim=int(head_dim), block_classes=meta.block_classes, k_scheme=k_scheme,
-      v_scheme=v_scheme, rotation_seed_k=meta.rotation_seed_k,
-      rotation_seed_v=meta.rotation_seed_v, eps=float(eps), method=method,
+      j["x"], j["w_qkv"], j["bias"], layout=lay, q_norm_weight=j["q_norm_weight"],
+      k_norm_weight=j["k_norm_weight"], rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
+      block_classes=meta.block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
+      rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v, method=method,
       scratch_bytes=int(scratch_bytes), interpret=interpret)
   if packed.meta != meta:
     raise dlpack.BridgeError(f"kernel returned packed K/V metadata {packed.meta}, expected {meta}")
@@ -162,39 +173,37 @@ def _streamed_qkv_op(
 
 
 @_streamed_qkv_op.register_fake
-def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                       head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-                       eps, method, scratch_bytes, interpret):
-  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                   head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-                   real=False)
+def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes,
+                       k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, method, scratch_bytes, interpret):
+  lay = _layout(layout)
+  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes, k_scheme,
+                   v_scheme, rotation_seed_k, rotation_seed_v, real=False)
   b, t, _ = x.shape
-  q = x.new_empty((b, t, heads, head_dim), dtype=torch.bfloat16)
+  q = x.new_empty((b, t, lay.heads, lay.head_dim), dtype=torch.bfloat16)
   specs = torch_buffer_specs(meta)
   return (q, *(x.new_empty(specs[n][0], dtype=specs[n][1]) for n in ARRAY_NAMES))
 
 
-def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor, rot_dim: int, heads: int, head_dim: int,
-                 block_classes: Sequence[int] | None = None, k_scheme: str = formats.DEFAULT_K_SCHEME,
-                 v_scheme: str = formats.DEFAULT_V_SCHEME, rotation_seed_k: int = 0,
-                 rotation_seed_v: int = 1, eps: float = 1e-5, method: str = "auto",
+def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None = None, *, layout: QKVLayout,
+                 q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, block_classes: Sequence[int] | None = None,
+                 k_scheme: str = formats.DEFAULT_K_SCHEME, v_scheme: str = formats.DEFAULT_V_SCHEME,
+                 rotation_seed_k: int = 0, rotation_seed_v: int = 1, method: str = "auto",
                  scratch_bytes: int = jqkv.DEFAULT_SCRATCH_BYTES,
                  interpret: bool | None = None) -> tuple[torch.Tensor, TorchPackedKV]:
   """Torch front end of ``pallas_kernels.streamed_qkv``.
 
-  Same arguments, torch tensors in and out: returns Q (B, T, H, D) bf16 in the rotated
-  basis and the packed K/V as a ``TorchPackedKV`` whose tensors are the kernel's own
-  output buffers. ``block_classes=None`` means every block int4.
+  Same arguments (``layout``: a ``QKVLayout``), torch tensors in and out: returns Q
+  (B, T, H, D) bf16 in the rotated basis and the packed K/V as a ``TorchPackedKV``
+  whose tensors are the kernel's own output buffers. ``block_classes=None`` means
+  every block int4.
   """
   t = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
   classes = _default_classes(t) if block_classes is None else [int(c) for c in block_classes]
-  out = torch.ops.packed_kv.streamed_qkv(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos,
-                                         rope_sin, rot_dim, heads, head_dim, classes, k_scheme,
-                                         v_scheme, rotation_seed_k, rotation_seed_v, eps, method,
-                                         scratch_bytes, interpret)
-  meta = PackedKVMeta(x.shape[0], heads, head_dim, t, tuple(classes), k_scheme, v_scheme,
+  out = torch.ops.packed_kv.streamed_qkv(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
+                                         layout.to_json(), classes, k_scheme, v_scheme, rotation_seed_k,
+                                         rotation_seed_v, method, scratch_bytes, interpret)
+  meta = PackedKVMeta(x.shape[0], layout.heads, layout.head_dim, t, tuple(classes), k_scheme, v_scheme,
                       rotation_seed_k, rotation_seed_v)
   return out[0], TorchPackedKV.from_tuple(meta, out[1:])
 
@@ -392,13 +401,26 @@ def sol_attention(q: torch.Tensor, packed: TorchPackedKV, *, tau: float = 1.0,
 # --------------------------------------------------------------------------------------
 # The attention core of an H3 block: projection + attention in one JAX call
 # --------------------------------------------------------------------------------------
-def _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads, head_dim,
-                block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, segment_ids,
-                kv_mask, kv_lengths, *, real: bool) -> PackedKVMeta:
-  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                   head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, real=real)
-  if attention not in jlayer.ATTENTIONS:
-    raise dlpack.BridgeError(f"attention must be one of {jlayer.ATTENTIONS}, got {attention!r}")
+def _sol_options(sol_options: str) -> dict | None:
+  """The layer op's Sol settings (JSON text, "" for dense attention)."""
+  if not sol_options:
+    return None
+  try:
+    opts = json.loads(sol_options)
+  except ValueError:
+    raise dlpack.BridgeError(f"sol_options must be JSON text of Sol settings, got {sol_options!r}") from None
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
+
+
+def _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes, k_scheme,
+                v_scheme, rotation_seed_k, rotation_seed_v, attention, sol_options, segment_ids, kv_mask, kv_lengths,
+                *, real: bool) -> PackedKVMeta:
+  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes,
+                   k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, real=real)
+  try:
+    jlayer.check_attention(attention, sol_options, (segment_ids, kv_mask, kv_lengths))
+  except ValueError as e:
+    raise dlpack.BridgeError(str(e)) from None
   b, t = meta.batch, meta.num_tokens
   if segment_ids is not None and tuple(segment_ids.shape) not in ((t,), (b, t)):
     raise dlpack.BridgeError(f"segment_ids must be (T,) = ({t},) or (B, T) = {(b, t)}, got "
@@ -406,57 +428,45 @@ def _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin
   _check(segment_ids, "segment_ids", real=real, dtype=torch.int32, device=x.device)
   _check(kv_mask, "kv_mask", real=real, dtype=torch.bool, shape=(b, t), device=x.device)
   _check(kv_lengths, "kv_lengths", real=real, dtype=torch.int32, shape=(b,), device=x.device)
-  if attention == "sol" and any(a is not None for a in (segment_ids, kv_mask, kv_lengths)):
-    raise dlpack.BridgeError("Sol attention takes no segment ids or key masks in the layer op "
-                             "(its diagonal assumes one sequence); use attention='dense'")
   return meta
 
 
 @torch.library.custom_op(f"{NAMESPACE}::attention_layer", mutates_args=())
 def _attention_layer_op(
-    x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, rot_dim: int,
-    heads: int, head_dim: int, block_classes: Sequence[int], k_scheme: str, v_scheme: str,
-    rotation_seed_k: int, rotation_seed_v: int, eps: float, attention: str, sm_scale: Optional[float],
-    segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor], kv_lengths: Optional[torch.Tensor],
-    tau: float, sink_blocks: Optional[Sequence[int]], sink_q: Optional[Sequence[int]], topk_ratio: float,
-    tail: bool, max_exact: Optional[int], scratch_bytes: int, interpret: Optional[bool],
+    x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: Optional[torch.Tensor],
+    k_norm_weight: Optional[torch.Tensor], rope_cos: torch.Tensor, rope_sin: torch.Tensor, layout: str,
+    block_classes: Sequence[int], k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
+    attention: str, sm_scale: Optional[float], segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
+    kv_lengths: Optional[torch.Tensor], sol_options: str, scratch_bytes: int, interpret: Optional[bool],
 ) -> torch.Tensor:
-  meta = _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                     head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention,
-                     segment_ids, kv_mask, kv_lengths, real=True)
-  _enter_jax({"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight,
-              "k_norm_weight": k_norm_weight, "rope_cos": rope_cos, "rope_sin": rope_sin,
-              "segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths}, interpret)
-  j = dlpack.to_jax
-  sol_options = None
-  if attention == "sol":
-    sol_options = dict(tau=float(tau), topk_ratio=float(topk_ratio), tail=bool(tail), max_exact=max_exact,
-                       sink_blocks=None if sink_blocks is None else tuple(int(v) for v in sink_blocks),
-                       sink_q=None if sink_q is None else tuple(int(v) for v in sink_q))
-  seg = j(segment_ids, "segment_ids")
+  lay, sol = _layout(layout), _sol_options(sol_options)
+  meta = _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes,
+                     k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, sol, segment_ids, kv_mask,
+                     kv_lengths, real=True)
+  inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
+  inputs |= {"segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths}
+  _enter_jax(inputs, interpret)
+  j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
   o = jlayer.attention_layer(
-      j(x, "x"), j(w_qkv, "w_qkv"), j(bias, "bias"), q_norm_weight=j(q_norm_weight, "q_norm_weight"),
-      k_norm_weight=j(k_norm_weight, "k_norm_weight"), rope_cos=j(rope_cos, "rope_cos"),
-      rope_sin=j(rope_sin, "rope_sin"), rot_dim=int(rot_dim), heads=int(heads), head_dim=int(head_dim),
-      block_classes=meta.block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
-      rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v, eps=float(eps),
-      attention=attention, sm_scale=sm_scale, q_segment_ids=seg, kv_segment_ids=seg,
-      kv_mask=j(kv_mask, "kv_mask"), kv_lengths=j(kv_lengths, "kv_lengths"), sol_options=sol_options,
-      scratch_bytes=int(scratch_bytes), interpret=interpret)
+      j["x"], j["w_qkv"], j["bias"], layout=lay, q_norm_weight=j["q_norm_weight"], k_norm_weight=j["k_norm_weight"],
+      rope_cos=j["rope_cos"], rope_sin=j["rope_sin"], block_classes=meta.block_classes, k_scheme=k_scheme,
+      v_scheme=v_scheme, rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v,
+      attention=attention, sm_scale=sm_scale, q_segment_ids=j["segment_ids"], kv_segment_ids=j["segment_ids"],
+      kv_mask=j["kv_mask"], kv_lengths=j["kv_lengths"], sol_options=sol, scratch_bytes=int(scratch_bytes),
+      interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
 @_attention_layer_op.register_fake
-def _attention_layer_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads,
-                          head_dim, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, eps,
-                          attention, sm_scale, segment_ids, kv_mask, kv_lengths, tau, sink_blocks, sink_q,
-                          topk_ratio, tail, max_exact, scratch_bytes, interpret):
-  _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, rot_dim, heads, head_dim,
-              block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, segment_ids,
-              kv_mask, kv_lengths, real=False)
+def _attention_layer_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes,
+                          k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, sm_scale, segment_ids,
+                          kv_mask, kv_lengths, sol_options, scratch_bytes, interpret):
+  lay = _layout(layout)
+  _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes, k_scheme,
+              v_scheme, rotation_seed_k, rotation_seed_v, attention, _sol_options(sol_options), segment_ids, kv_mask,
+              kv_lengths, real=False)
   b, t, _ = x.shape
-  return x.new_empty((b, t, heads, head_dim), dtype=torch.bfloat16)
+  return x.new_empty((b, t, lay.heads, lay.head_dim), dtype=torch.bfloat16)
 
 
 def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, **kw) -> dict:

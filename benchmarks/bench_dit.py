@@ -1,0 +1,174 @@
+"""One Wan 14B self-attention block at real size: stock diffusers (SDPA) against our
+processor (``torch_bridge.diffusers``), in the user's 12 GiB budget.
+
+  python -m benchmarks.bench_dit                       # T = 75,600 and 151,200, then the largest T each
+  python -m benchmarks.bench_dit --cpu-smoke           # a tiny WanAttention in interpret mode
+
+The block is diffusers' own ``WanAttention`` (hidden 5120, 40 heads x 128, q/k/v bias,
+RMSNorm across heads, eps 1e-6) with random bf16 weights, fed by ``WanRotaryPosEmbed``
+on a latent grid of 21 frames x 45 x 80 patches per 75,600 tokens (81 frames at 720p;
+2x is 42 frames). Every row runs in a fresh process (``--child``): a hog allocation
+leaves ``--budget-gib`` free, torch holds ``--held-gib`` (the block, x, the RoPE
+tables, filler), then the block runs three times; the device-level low-water mark
+(``cudaMemGetInfo``) gives the peak above what was free, the median of the last two
+calls the time. ``stock`` is the module with diffusers' processor (SDPA), ``packed`` the
+same module after ``use_packed_attention`` (dense, int4 K/V). Then the largest T (steps
+of 4,096, on the same grid's aspect) each completes. On the GPU machine diffusers
+travels as a wheel (benchmarks/README.md). Writes ``results/dit_<card>_<date>.json`` and
+the scorecard ``dit.wan14b_*``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from benchmarks import common  # noqa: E402
+
+WAN14B = dict(hidden=5120, heads=40, head_dim=128, eps=1e-6)
+SMOKE = dict(hidden=128, heads=2, head_dim=64, eps=1e-6)
+TOKENS = (75_600, 151_200)
+STEP = 4096
+FRAME_TOKENS = 45 * 80  # one latent frame of 720p video, in 2x2 patches
+
+
+def _grid(tokens: int, smoke: bool) -> tuple[int, int, int]:
+  """A (frames, height, width) patch grid with exactly ``tokens`` tokens: whole 720p
+  latent frames where they divide, else one row of ``tokens`` patches per frame."""
+  if not smoke and tokens % FRAME_TOKENS == 0:
+    return tokens // FRAME_TOKENS, 45, 80
+  return 1, 1, tokens
+
+
+def child(cfg: dict) -> dict:
+  import torch
+
+  import torch_bridge as tb  # noqa: F401  (allocator policy)
+  from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, WanRotaryPosEmbed
+  from torch_bridge.diffusers import use_packed_attention
+
+  smoke = cfg.get("cpu_smoke", False)
+  shape = SMOKE if smoke else WAN14B
+  cuda = not smoke
+  dev = torch.device("cuda" if cuda else "cpu")
+  gib, t = common.GIB, cfg["tokens"]
+  rec = dict(cfg)
+  hog = []
+  if cuda:
+    free, _ = torch.cuda.mem_get_info()
+    budget = int(cfg["budget_gib"] * gib)
+    hog = [torch.empty(free - budget, dtype=torch.uint8, device=dev)] if free > budget else []
+  torch.manual_seed(0)
+  d = shape["head_dim"]
+  attn = WanAttention(shape["hidden"], heads=shape["heads"], dim_head=d, eps=shape["eps"],
+                      processor=WanAttnProcessor()).to(dev, torch.bfloat16)
+  attn = attn.eval().requires_grad_(False)
+  frames, height, width = _grid(t, smoke)
+  rope = WanRotaryPosEmbed(d, (1, 2, 2), max_seq_len=max(1024, frames, height, width))
+  latent = torch.empty(1, 1, frames, 2 * height, 2 * width, device="meta")
+  with torch.no_grad():
+    cos, sin = rope(latent)  # (1, T, 1, D) f32, computed from the grid's shape alone
+    rotary = (cos.to(dev), sin.to(dev))
+    x = torch.randn(1, t, shape["hidden"], dtype=torch.bfloat16, device=dev)
+  if cfg["variant"] == "packed":
+    use_packed_attention(attn, interpret=True if smoke else None)
+  filler = None
+  if cuda:
+    held = torch.cuda.memory_allocated() - sum(h.numel() for h in hog)
+    filler = torch.empty(max(int(cfg["held_gib"] * gib) - held, 0), dtype=torch.uint8, device=dev)
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+  free0 = common.device_free_bytes() if cuda else None
+  times, rec["ok"] = [], True
+  import contextlib
+  for _ in range(cfg["calls"]):
+    t0 = time.perf_counter()
+    try:
+      with torch.no_grad(), (common.LowWater() if cuda else contextlib.nullcontext()) as lw:
+        y = attn(x, None, None, rotary)
+        if cuda:
+          torch.cuda.synchronize()
+      times.append(time.perf_counter() - t0)
+      del y
+      if lw is not None:
+        rec["peak_above_free_gib"] = max(rec.get("peak_above_free_gib", 0.0), (free0 - lw.low) / gib)
+    except Exception as e:  # noqa: BLE001 - an OOM is the result
+      msg = str(e)
+      rec.update(ok=False, oom="out of memory" in msg.lower() or "RESOURCE_EXHAUSTED" in msg,
+                 error=msg.splitlines()[0][:300])
+      break
+  rec["time_s"] = statistics.median(times[1:]) if len(times) > 1 else None
+  rec["card"] = torch.cuda.get_device_name() if cuda else "cpu"
+  return rec
+
+
+def spawn(cfg: dict, timeout: int) -> dict:
+  return common.run_child("benchmarks.bench_dit", cfg, timeout)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+  ap.add_argument("--budget-gib", type=float, default=11.94)
+  ap.add_argument("--held-gib", type=float, default=6.09)
+  ap.add_argument("--calls", type=int, default=3)
+  ap.add_argument("--no-search", action="store_true")
+  ap.add_argument("--search-runs", type=int, default=5)
+  ap.add_argument("--timeout", type=int, default=400)
+  ap.add_argument("--cpu-smoke", action="store_true")
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.child:
+    print("RESULT " + json.dumps(child(json.loads(args.child)), default=float), flush=True)
+    return
+  if args.cpu_smoke:
+    args.tokens, args.calls, args.no_search = [200], 2, True
+  base = dict(budget_gib=args.budget_gib, held_gib=args.held_gib, calls=args.calls, cpu_smoke=args.cpu_smoke)
+  rows = []
+  for t in args.tokens:
+    for variant in ("stock", "packed"):
+      r = spawn(dict(base, variant=variant, tokens=t), args.timeout)
+      rows.append(r)
+      print(f"[{variant:6s} T={t:7d}] ok={r.get('ok')} time={r.get('time_s')} peak={r.get('peak_above_free_gib')} "
+            f"{r.get('error', '')[:160]}", flush=True)
+  card = next((r["card"] for r in rows if r.get("card")), "unknown")
+  max_tokens = {}
+  if not args.no_search:
+    for variant in ("stock", "packed"):
+      def run(t, variant=variant):
+        r = spawn(dict(base, variant=variant, tokens=t, search=True), args.timeout)
+        rows.append(r)
+        print(f"  [{variant:6s} T={t:7d}] ok={r.get('ok')}", flush=True)
+        return bool(r.get("ok"))
+      start = args.tokens[0] if variant == "packed" else args.tokens[0] // 2
+      max_tokens[variant] = common.largest_passing(run, start, STEP, args.search_runs)
+      print(f"largest T, {variant}: {max_tokens[variant]}", flush=True)
+  out = args.out or (os.path.join("/tmp", "dit_cpu_smoke.json") if args.cpu_smoke
+                     else common.result_path("dit", card))
+  rec = common.run_record() | {"card": card, "args": vars(args), "rows": rows, "max_tokens": max_tokens}
+  common.write_json(out, rec)
+  by = {(r["variant"], r["tokens"]): r for r in rows if not r.get("search")}
+  stock, ours = by.get(("stock", TOKENS[0]), {}), by.get(("packed", TOKENS[0]), {})
+  if args.cpu_smoke or not ours.get("ok"):
+    return rec
+  entries = {}
+  if stock.get("ok"):  # in the user's budget the stock block may not run at all
+    entries["dit.wan14b_peak_ratio_75k"] = stock["peak_above_free_gib"] / ours["peak_above_free_gib"]
+    entries["dit.wan14b_time_vs_stock_75k"] = ours["time_s"] / stock["time_s"]
+  mt = {v: (max_tokens.get(v) or {}).get("largest_passed") for v in ("stock", "packed")}
+  if mt["stock"] and mt["packed"]:
+    entries["dit.wan14b_max_tokens_ratio"] = mt["packed"] / mt["stock"]
+  common.update_scorecard(entries, card=card, source=out, command=rec["command"])
+  return rec
+
+
+if __name__ == "__main__":
+  main()
