@@ -194,6 +194,8 @@ def main(argv=None):
   ap.add_argument("--quality-rows", type=int, default=512)
   ap.add_argument("--configs", default=None, help="JSON list of Sol kwargs (sink_blocks may be \"prefix\")")
   ap.add_argument("--max-exact", type=int, default=None, help="routed-list capacity (default: Sol's)")
+  ap.add_argument("--methods", default="fused,streamed",
+                  help="Sol methods timed for every setting (streamed: head groups decoded to bf16 first)")
   ap.add_argument("--skip-dense", action="store_true", help="skip our dense packed path")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
@@ -211,6 +213,7 @@ def main(argv=None):
   configs = json.loads(args.configs) if args.configs else list(DEFAULT_CONFIGS)
   if args.cpu_smoke and not args.configs:
     configs = configs[1:2]
+  configs = [dict(c, method=m) if m != "fused" else dict(c) for c in configs for m in args.methods.split(",")]
 
   # Imported after the platform choice so nothing touches a GPU in smoke mode.
   from pallas_kernels import attention as dense
@@ -278,6 +281,7 @@ def main(argv=None):
     dense_rows = np.asarray(pick(dense_out))
     del dense_out
 
+  peer_runs = {}  # setting -> (the peer's median time, its cos)
   for cfg in configs:
     kw = dict(cfg)
     if kw.get("sink_blocks") == "prefix":
@@ -285,7 +289,8 @@ def main(argv=None):
     if args.max_exact is not None:
       kw.setdefault("max_exact", args.max_exact)
     name = "sol " + ",".join(f"{k}={v}" for k, v in kw.items())
-    route = jax.jit(lambda a, p, kw=kw: sol.sol_routing(a, p, **{k: v for k, v in kw.items() if k != "tail"}))
+    route = jax.jit(lambda a, p, kw=kw: sol.sol_routing(a, p, **{k: v for k, v in kw.items()
+                                                                 if k not in ("tail", "method")}))
     routing, r_first, r_med, r_times = timed(route, q_rot, packed, runs=args.runs)
     sinks = tuple(min(x, nb) for x in kw.get("sink_blocks", (0, 0)))
     stats = routing_stats(routing, sinks, tuple(min(x, nb) for x in kw.get("sink_q", (0, 0))), nb)
@@ -301,13 +306,15 @@ def main(argv=None):
     if not args.skip_dense:
       stats["vs_dense_packed"] = quality(np.asarray(pick(out)), dense_rows)
     ours = report(name, out, first, med, times, fraction=stats["exact_block_fraction_mean"], extra=stats)
-    if peer is not None:
-      p_kw = {k: v for k, v in kw.items() if k != "max_exact"}
+    setting = tuple(sorted((k, str(v)) for k, v in kw.items() if k != "method"))
+    if peer is not None and setting not in peer_runs:  # the peer once per setting
+      p_kw = {k: v for k, v in kw.items() if k not in ("max_exact", "method")}
       p_out, p_first, p_med, p_times = peer(p_kw, args.runs)
-      theirs = report("comfy " + name, p_out, p_first, p_med, p_times)
-      ours["vs_comfy_time"] = med / p_med
-      ours["cos_minus_comfy"] = ours["cos"] - theirs["cos"]
+      peer_runs[setting] = (p_med, report("comfy " + name, p_out, p_first, p_med, p_times)["cos"])
       del p_out
+    if setting in peer_runs:
+      ours["vs_comfy_time"] = med / peer_runs[setting][0]
+      ours["cos_minus_comfy"] = ours["cos"] - peer_runs[setting][1]
     print(f"{'':48s} routing {r_med * 1e3:.2f} ms, kernel {k_med * 1e3:.2f} ms, exact "
           f"{stats['exact_block_fraction_mean']:.3f}, listed max {stats['listed_max']}/{stats['capacity']}, "
           f"dropped {stats['dropped_total']}, routing bytes {stats['routing_bytes'] / 2**20:.1f} MiB", flush=True)
@@ -325,7 +332,7 @@ def main(argv=None):
     entries = {}
     for name, e in res.items():
       for pre, tag in keys.items():
-        if name.startswith("sol " + pre) and "vs_comfy_time" in e:
+        if name.startswith("sol " + pre) and "vs_comfy_time" in e and "method=" not in name:
           entries[f"sol.vs_comfy_{tag}"] = round(e["vs_comfy_time"], 3)
           entries[f"sol.cos_minus_comfy_{tag}"] = round(e["cos_minus_comfy"], 5)
     common.update_scorecard(entries, card=common.device_name(), source=args.out, command=record["command"])

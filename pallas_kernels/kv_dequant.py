@@ -1,5 +1,6 @@
-"""Decode one head group of a PackedKV into a bounded bf16 scratch, in the layout cuDNN
-flash attention takes (``packed_attention(method="streamed")``).
+"""Decode one head group of a PackedKV into a bounded bf16 scratch: in the layout cuDNN
+flash attention takes (``packed_attention(method="streamed")``), or as the bf16 store
+of a PackedKV (``sol_attention(method="streamed")``).
 
 Why: cuDNN is the fastest attention on every NVIDIA GPU it supports, and it reads
 bf16. Decoding the whole K and V would bring back the global expansion the format
@@ -19,8 +20,10 @@ Kernel layout
   slot, one ``pl.when`` branch per class that has blocks. Every class (int4, int8,
   bf16) and every K/V scheme decodes here, the ragged last block included (its rows
   past T are not stored).
-* Outputs are (B, T, g, D) bf16 (cuDNN's BTNH layout), each (batch row, head) a
-  whole (T, D) view written with masked row stores.
+* Outputs are (B, T, g, D) bf16 (cuDNN's BTNH layout, ``layout="bthd"``) or
+  (B, g, NB * 64, D) (the format's bf16 store, one slot per block, ``layout="bhtd"``);
+  either way each (batch row, head) is a whole (rows, D) view written with masked row
+  stores (store rows past T are left unwritten: readers mask them).
 * ``unrotate_v``: V is multiplied by ``R_v^T`` before it is rounded, so attention's
   output ``P (V R_v^T) = (P V) R_v^T`` comes out un-rotated with no pass over it.
 * Everything works on the two channel halves of the format's split-half packing
@@ -106,12 +109,18 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v):
         plgpu.store(out.at[out_rows, hi_c], hi.astype(jnp.bfloat16), mask=m)
 
 
+LAYOUTS = ("bthd", "bhtd")
+
+
 def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: bool, interpret: bool,
-                     num_warps: int = 4):
-  """(K, V) of heads ``[head0, head0 + heads)``: (B, T, heads, D) bf16 each.
+                     num_warps: int = 4, layout: str = "bthd"):
+  """(K, V) of heads ``[head0, head0 + heads)``: (B, T, heads, D) bf16 each, or with
+  ``layout="bhtd"`` (B, heads, NB * 64, D), the rows of block ``b`` at ``b * 64``.
 
   ``head0``: a Python int or a traced int32 scalar (the group loop's index).
   """
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   meta = packed.meta
   b, t, d = meta.batch, meta.num_tokens, meta.head_dim
   present = tuple(c for c in fmt.CLASSES if meta.slots(c))
@@ -131,8 +140,13 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
         inputs.add_spec(name, packed.arrays[name], per_batch(packed.arrays[name]))
   if unrotate_v:
     inputs.add_whole("ht", jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16))
-  out_spec = pl.BlockSpec((None, t, None, d), lambda j, blk, bi: (bi, 0, j, 0))
-  shape = jax.ShapeDtypeStruct((b, t, heads, d), jnp.bfloat16)
+  if layout == "bthd":
+    out_spec = pl.BlockSpec((None, t, None, d), lambda j, blk, bi: (bi, 0, j, 0))
+    shape = jax.ShapeDtypeStruct((b, t, heads, d), jnp.bfloat16)
+  else:
+    rows = meta.num_blocks * BLOCK
+    out_spec = pl.BlockSpec((None, None, rows, d), lambda j, blk, bi: (bi, j, 0, 0))
+    shape = jax.ShapeDtypeStruct((b, heads, rows, d), jnp.bfloat16)
   return pl.pallas_call(
       functools.partial(_kernel, names=inputs.ref_names("k_out", "v_out"), meta=meta, present=present,
                         unrotate_v=unrotate_v),

@@ -23,7 +23,7 @@ from pallas_kernels import projection as sq
 __all__ = ["ATTENTIONS", "SOL_OPTIONS", "attention_layer", "required_bytes", "check_attention"]
 
 ATTENTIONS = ("dense", "sol")
-SOL_OPTIONS = ("tau", "sink_blocks", "sink_q", "topk_ratio", "tail", "max_exact")
+SOL_OPTIONS = ("tau", "sink_blocks", "sink_q", "topk_ratio", "tail", "max_exact", "method")
 
 
 def _sol_kwargs(sol_options) -> dict:
@@ -49,7 +49,7 @@ def _layer(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, q_s
       scratch_bytes=scratch_bytes)
   if attention == "sol":
     return sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
-                             **dict(sol_items))
+                             scratch_bytes=scratch_bytes, **dict(sol_items))
   return dense.packed_attention(q, packed, sm_scale=sm_scale, q_segment_ids=q_segment_ids,
                                 kv_segment_ids=kv_segment_ids, kv_mask=kv_mask, kv_lengths=kv_lengths,
                                 overwrite_q=True, interpret=interpret, scratch_bytes=scratch_bytes)
@@ -127,6 +127,9 @@ def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, *, batch
     topk = float(opts.get("topk_ratio") or 0.0)
     cap = opts.get("max_exact") or (sol.topk_count(nb, topk) + 3 if topk > 0 else sol.DEFAULT_MAX_EXACT_TAU)
     attn = sol.routing_nbytes(batch, heads, tokens, head_dim, cap)["total"] + sol.DEFAULT_ROUTE_CHUNK_BYTES
+    if opts.get("method") == "streamed":  # one head group's bf16 K/V stores, q slice and output
+      group = sol.streamed_group(batch, tokens, heads, head_dim, scratch_bytes)
+      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim)
   out = batch * tokens * hidden * 2
   phases = {"projection": q + packed + projection, "attention": q + packed + attn, "o_proj": q + out}
   return {"q": q, "packed_kv": packed, "projection_scratch": projection, "attention_scratch": attn,

@@ -257,7 +257,8 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
     if attention is None:
       return q, packed.arrays
     if attention == "sol":
-      o = sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret, **dict(sol_items))
+      o = sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
+                            scratch_bytes=proj.scratch_bytes, **dict(sol_items))
     else:
       o = dense.packed_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
                                  scratch_bytes=proj.scratch_bytes)

@@ -99,6 +99,31 @@ def test_kernel_matches_reference(name):
   _check(out, ref, live)
 
 
+@pytest.mark.parametrize("name", ["mixed_d128_g64_tau05", "key_bias_d64", "no_tail_sink_q", "block_len"])
+def test_streamed_method_matches_fused_and_reference(name):
+  """method='streamed': head groups decoded to bf16 stores first, the exact loop on bf16
+  tiles. One head per group here (a budget of one head's scratch): the group loop and
+  the per-group slices of q, the stats and the routing all run."""
+  q, packed, kw, live = _case_inputs(name)
+  b, t, h, d = q.shape
+  one_head = sol.streamed_head_bytes(b, t, d)
+  assert sol.streamed_group(b, t, h, d, one_head) == 1
+  fused = sol.sol_attention(q, packed, **kw)
+  streamed = sol.sol_attention(q, packed, method="streamed", scratch_bytes=one_head, **kw)
+  assert streamed.shape == fused.shape and streamed.dtype == jnp.bfloat16
+  _check(streamed, sol.sol_attention_reference(q, packed, **kw), live)
+  qual = _check(streamed, fused, live, cos=0.9999)
+  assert qual["rel_l2"] < 1e-2, qual
+  # Every head in one group, and the output over q: the same values.
+  q_copy = jnp.array(q, copy=True)
+  whole = sol.sol_attention(q_copy, packed, method="streamed", overwrite_q=True, **kw)
+  np.testing.assert_array_equal(np.asarray(whole, np.float32), np.asarray(streamed, np.float32))
+  with pytest.raises(ValueError, match="use method='fused'"):
+    sol.sol_attention(q, packed, method="streamed", scratch_bytes=one_head - 1, **kw)
+  with pytest.raises(ValueError, match="method must be one of"):
+    sol.sol_attention(q, packed, method="cudnn", **kw)
+
+
 def test_overwrite_q_writes_the_output_into_q():
   # Same values as the out-of-place call (routing included, which also reads q), and
   # q is donated; inside a jit with q an intermediate as in a layer.
@@ -112,16 +137,17 @@ def test_overwrite_q_writes_the_output_into_q():
   np.testing.assert_array_equal(np.asarray(layer(q, packed), np.float32), expected)
 
 
-@pytest.mark.parametrize("name, keep_rotated", [("mixed_ktoken_topk_sinks", False), ("no_tail_sink_q", True),
-                                                ("key_bias_d64", False), ("block_len", False)])
-def test_kernel_lowers_to_triton(name, keep_rotated):
+@pytest.mark.parametrize("name, keep_rotated, method", [
+    ("mixed_ktoken_topk_sinks", False, "fused"), ("no_tail_sink_q", True, "fused"), ("key_bias_d64", False, "fused"),
+    ("block_len", False, "fused"), ("mixed_d128_g64_tau05", False, "streamed")])
+def test_kernel_lowers_to_triton(name, keep_rotated, method):
   """Lower for CUDA on this CPU machine: catches what Pallas-Triton rejects (slices of
   values, non power-of-two shapes, unsupported ops) that interpret mode lets through."""
   q, packed, kw, _ = _case_inputs(name)
   arrays = {k: v for k, v in kw.items() if hasattr(v, "shape")}
   static = {k: v for k, v in kw.items() if not hasattr(v, "shape")}
   fn = jax.jit(lambda q, packed, arrays: sol.sol_attention(q, packed, interpret=False, keep_rotated=keep_rotated,
-                                                           **static, **arrays))
+                                                           method=method, **static, **arrays))
   text = fn.trace(q, packed, arrays).lower(lowering_platforms=("cuda",)).as_text()
   assert "sol_attention" in text and "triton" in text.lower()
 
@@ -368,4 +394,5 @@ def test_gpu_kernel_matches_reference():
   q, packed, _, _ = _data(4000, 128, None, "channel", "token", seed=1)
   for kw in ({}, {"topk_ratio": 0.1, "sink_blocks": [0, 8]}, {"tau": 1.5, "sink_q": [10, 12]}):
     _check(sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw))
+    _check(sol.sol_attention(q, packed, method="streamed", **kw), sol.sol_attention_reference(q, packed, **kw))
   _check(sol.sol_attention(jnp.array(q, copy=True), packed, overwrite_q=True), sol.sol_attention_reference(q, packed))

@@ -151,6 +151,22 @@ def test_module_is_one_layer_call_equal_to_the_ops(setup, mixed):
     sol_mod(s["x"], s["cos"], s["sin"], kv_lengths=torch.tensor([T], dtype=torch.int32))
 
 
+def test_module_sol_streamed_method(setup):
+  """Sol's streamed method through the block's sol_options: the same output as the
+  fused kernel up to bf16 rounding of the decoded K/V, and required_bytes counts its
+  head-group scratch."""
+  s = setup
+  blocks = {}
+  for method in ("fused", "streamed"):
+    blocks[method] = tb.PackedH3Attention(HIDDEN, H, D, attention="sol", sol_options=dict(tau=0.5, method=method))
+    blocks[method].load_state_dict(s["mod"].state_dict())
+  with torch.no_grad():
+    outs = {m: b(s["x"], s["cos"], s["sin"], block_classes=MIXED).float().numpy() for m, b in blocks.items()}
+  assert quality(outs["streamed"], outs["fused"])["cos"] > 0.9999
+  need = {m: b.required_bytes(T)["attention_scratch"] for m, b in blocks.items()}
+  assert need["streamed"] > need["fused"]
+
+
 def test_required_bytes_matches_the_buffers_of_a_call(setup, mixed):
   """The formula's terms are the buffers the CPU path allocates: Q, the packed K/V,
   one projection chunk, the streamed plan's scratch, the o_proj output."""
