@@ -3,6 +3,7 @@ processor (``torch_bridge.diffusers``), in the user's 12 GiB budget.
 
   python -m benchmarks.bench_dit                       # T = 75,600 and 151,200, then the largest T each
   python -m benchmarks.bench_dit --cpu-smoke           # a tiny WanAttention in interpret mode
+  python -m benchmarks.bench_dit --parity              # whole tiny models vs the stock processors (CPU)
 
 The block is diffusers' own ``WanAttention`` (hidden 5120, 40 heads x 128, q/k/v bias,
 RMSNorm across heads, eps 1e-6) with random bf16 weights, fed by ``WanRotaryPosEmbed``
@@ -35,6 +36,7 @@ from benchmarks import common  # noqa: E402
 WAN14B = dict(hidden=5120, heads=40, head_dim=128, eps=1e-6)
 SMOKE = dict(hidden=128, heads=2, head_dim=64, eps=1e-6)
 TOKENS = (75_600, 151_200)
+PARITY_COS = 0.99999  # whole-model output with bf16 and int8 K/V against the stock processor: bf16 noise
 STEP = 4096
 FRAME_TOKENS = 45 * 80  # one latent frame of 720p video, in 2x2 patches
 
@@ -113,6 +115,23 @@ def spawn(cfg: dict, timeout: int) -> dict:
   return common.run_child("benchmarks.bench_dit", cfg, timeout)
 
 
+def parity_run(out=None) -> dict:
+  """``torch_bridge.diffusers.parity`` for every supported model; the scorecard's
+  ``dit.parity_models`` counts those within bf16 noise (``PARITY_COS``) at bf16 and int8."""
+  import torch_bridge  # noqa: F401  (allocator policy)
+  from torch_bridge.diffusers import parity
+  models = {name: parity(name) for name in ("wan", "ltx")}
+  passing = [n for n, r in models.items() if all(r[c]["model"]["cos"] > PARITY_COS for c in ("bf16", "int8"))]
+  for name, r in models.items():
+    for cls, q in r.items():
+      print(f"{name:4s} {cls:5s} model cos {q['model']['cos']:.6f}  first attention cos {q['attention']['cos']:.6f}")
+  out = out or common.result_path("dit_parity", "cpu")
+  rec = common.run_record() | {"card": "cpu", "parity_cos": PARITY_COS, "models": models, "passing": passing}
+  common.write_json(out, rec)
+  common.update_scorecard({"dit.parity_models": len(passing)}, card="cpu", source=out, command=rec["command"])
+  return rec
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
@@ -123,12 +142,15 @@ def main(argv=None):
   ap.add_argument("--search-runs", type=int, default=5)
   ap.add_argument("--timeout", type=int, default=400)
   ap.add_argument("--cpu-smoke", action="store_true")
+  ap.add_argument("--parity", action="store_true", help="tiny Wan and LTX-Video models, ours vs stock (CPU)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.child:
     print("RESULT " + json.dumps(child(json.loads(args.child)), default=float), flush=True)
     return
+  if args.parity:
+    return parity_run(args.out)
   if args.cpu_smoke:
     args.tokens, args.calls, args.no_search = [200], 2, True
   base = dict(budget_gib=args.budget_gib, held_gib=args.held_gib, calls=args.calls, cpu_smoke=args.cpu_smoke)

@@ -10,7 +10,7 @@ import torch_bridge as tb  # first: the allocator policy
 from pallas_kernels.testing import quality
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is a test dependency (scripts/setup.sh installs it)")
-from torch_bridge.diffusers import PackedWanAttnProcessor, use_packed_attention  # noqa: E402
+from torch_bridge.diffusers import PackedWanAttnProcessor, parity, tiny_transformer, use_packed_attention  # noqa: E402
 
 # cos against the stock processor per K/V class (T = 128 video tokens): of the whole
 # model's output, and of the first self-attention's own output, where nothing dilutes
@@ -21,65 +21,24 @@ MIN_COS = {"bf16": 0.99999, "int8": 0.99999, "int4": 0.9999}
 MIN_COS_ATTENTION = {"bf16": 0.9999, "int8": 0.9999, "int4": 0.999}
 
 
-def _wan():
-  torch.manual_seed(0)
-  model = diffusers.WanTransformer3DModel(
-      patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
-      text_dim=16, freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-      qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
-  inputs = dict(hidden_states=torch.randn(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
-                encoder_hidden_states=torch.randn(1, 12, 16))
-  return model, inputs
-
-
-def _ltx():
-  torch.manual_seed(0)
-  model = diffusers.LTXVideoTransformer3DModel(
-      in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, cross_attention_dim=128,
-      num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16)
-  inputs = dict(hidden_states=torch.randn(1, 2 * 8 * 8, 4), encoder_hidden_states=torch.randn(1, 12, 16),
-                timestep=torch.tensor([500]), encoder_attention_mask=torch.ones(1, 12, dtype=torch.bool),
-                num_frames=2, height=8, width=8, rope_interpolation_scale=(8 / 25, 32, 32))
-  return model, inputs
-
-
-def _bf16(inputs):
-  return {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
-
-
-@pytest.mark.parametrize("make", [_wan, _ltx], ids=["wan", "ltx"])
-def test_whole_model_matches_stock_processor(make):
-  model, inputs = make()
-  model = model.to(torch.bfloat16).eval()
-  inputs = _bf16(inputs)
-  first = next(m for n, m in model.named_modules() if n.endswith("attn1"))
-  seen = []
-  first.register_forward_hook(lambda mod, args, out: seen.append(out.float().numpy()))
-  with torch.no_grad():
-    want = model(**inputs, return_dict=False)[0].float().numpy()
-    want_attn = seen.pop()
-    names = use_packed_attention(model, default_class="bf16")
-    assert len(names) == 2 and all(n.endswith("attn1") for n in names), names
-    results, attn_results = {}, {}
-    for cls in ("bf16", "int8", "int4"):
-      use_packed_attention(model, default_class=cls)
-      got = model(**inputs, return_dict=False)[0].float().numpy()
-      assert np.isfinite(got).all()
-      results[cls] = quality(got, want)
-      attn_results[cls] = quality(seen.pop(), want_attn)
-  for cls in results:
-    assert results[cls]["cos"] > MIN_COS[cls], (cls, results)
-    assert attn_results[cls]["cos"] > MIN_COS_ATTENTION[cls], (cls, attn_results)
+@pytest.mark.parametrize("name", ["wan", "ltx"])
+def test_whole_model_matches_stock_processor(name):
+  results = parity(name)
+  for cls, q in results.items():
+    assert np.isfinite(q["model"]["cos"]), (cls, q)
+    assert q["model"]["cos"] > MIN_COS[cls], (cls, results)
+    assert q["attention"]["cos"] > MIN_COS_ATTENTION[cls], (cls, results)
   # bf16 K/V: only bf16 rounding (of Q, K and V in the rotated basis) separates the two.
-  assert results["bf16"]["rel_l2"] < 0.02, results
+  assert results["bf16"]["model"]["rel_l2"] < 0.02, results
+  model, _ = tiny_transformer(name)
+  names = use_packed_attention(model)
+  assert len(names) == 2 and all(n.endswith("attn1") for n in names), names
 
 
 def test_weights_are_shared_not_copied_and_stock_still_works():
   """The fused (hidden, 3HD) weight is the storage of to_q/to_k/to_v: installing adds
   no copy of the projection, and the stock processor gives the same output after."""
-  model, inputs = _wan()
-  model = model.to(torch.bfloat16).eval()
-  inputs = _bf16(inputs)
+  model, inputs = tiny_transformer("wan")
   attn = model.blocks[0].attn1
   stock = attn.processor
   with torch.no_grad():
@@ -97,17 +56,18 @@ def test_weights_are_shared_not_copied_and_stock_still_works():
 
 
 def test_errors_name_the_fix():
-  model, inputs = _wan()
+  model, inputs = tiny_transformer("wan")
+  model = model.float()
   with pytest.raises(tb.BridgeError, match=r"cast the transformer with \.to\(torch\.bfloat16\)"):
     use_packed_attention(model)
     with torch.no_grad():
-      model(**inputs)
+      model(**{k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()})
   model = model.to(torch.bfloat16)
   use_packed_attention(model)
   model = model.to(torch.float32).to(torch.bfloat16)  # moved after install: the fused weights are stale
   with pytest.raises(tb.BridgeError, match="call use_packed_attention again"):
     with torch.no_grad():
-      model(**_bf16(inputs))
+      model(**inputs)
   with pytest.raises(ValueError, match="supports WanTransformer3DModel and LTXVideoTransformer3DModel"):
     use_packed_attention(torch.nn.Linear(4, 4))
   with pytest.raises(ValueError, match="attention must be one of"):
