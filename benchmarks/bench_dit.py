@@ -21,7 +21,6 @@ the scorecard ``dit.wan14b_*``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -146,8 +145,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  if args.child:
-    print("RESULT " + json.dumps(child(json.loads(args.child)), default=float), flush=True)
+  if common.answer_as_child(args.child, child):
     return
   if args.parity:
     return parity_run(args.out)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -291,8 +290,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  if args.child:
-    print("RESULT " + json.dumps(child(json.loads(args.child)), default=float), flush=True)
+  if common.answer_as_child(args.child, child):
     return
   if args.cpu_smoke:
     args.tokens, args.n_blocks, args.no_search = 150, 2, True

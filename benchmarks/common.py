@@ -147,6 +147,15 @@ def update_scorecard(entries: dict, *, card: str, source: str, command: str, pat
   write_json(path, dict(sorted(card_json.items())))
 
 
+def answer_as_child(child_arg: str | None, child) -> bool:
+  """In the fresh process ``run_child`` starts (``--child <JSON>``): run ``child(cfg)`` and
+  print its ``RESULT`` line. False (nothing done) in the parent."""
+  if not child_arg:
+    return False
+  print("RESULT " + json.dumps(child(json.loads(child_arg)), default=float), flush=True)
+  return True
+
+
 def run_child(module: str, cfg: dict, timeout: int) -> dict:
   """Run ``python -m <module> --child <cfg as JSON>`` in a fresh process (each
   configuration's memory its own) and return the dict it prints after ``RESULT ``; on a
