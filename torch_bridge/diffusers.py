@@ -39,12 +39,11 @@ import torch
 from torch import nn
 
 import formats
+from pallas_kernels.layer import check_attention
 from pallas_kernels.projection import DEFAULT_SCRATCH_BYTES
 from pallas_kernels.qkv_layout import QKVLayout
 from torch_bridge import dlpack
 from torch_bridge.attention_module import sol_options_json
-
-ATTENTIONS = ("dense", "sol")
 
 
 def _fuse_projection(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,8 +76,7 @@ class _PackedSelfAttnProcessor:
 
   def __init__(self, attn, *, attention: str, block_classes: Callable[[int], Sequence[int]] | None,
                default_class: str, sol_options: dict | None, scratch_bytes: int, interpret: bool | None):
-    if attention not in ATTENTIONS:
-      raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    check_attention(attention, sol_options if attention == "sol" else None, ())
     if default_class not in formats.CLASS_ID:
       raise ValueError(f"default_class {default_class!r} unknown; use one of {formats.CLASSES}")
     self.attention = attention
