@@ -58,7 +58,7 @@ def _goal(policy, q):
 
 
 # --------------------------------------------------------------------------------------
-# Fake quantization for remedies (format v1 stores none of these)
+# Fake quantization for remedies (format v1 stores none of these; float32 parameters, as v1)
 # --------------------------------------------------------------------------------------
 def _block_mean(x, block=64):
   b, t, h, d = x.shape
@@ -73,25 +73,25 @@ def _remedies(q_bf16, k_rot, v_rot, r_v, ref, d, prefix):
   logit of a query row equally; a per-block V mean is added back through the block's
   probability mass, which the format's per-block V sums already provide.
   """
-  kq = lambda x: fake_quant(x, 64, 1)              # format v1: K channel, 64 tokens
-  vq = lambda x: fake_quant(x, 1, d)               # format v1: V token, whole head dim
+  kq = lambda x: fake_quant(x, 64, 1, param_bits=32)              # format v1: K channel, 64 tokens
+  vq = lambda x: fake_quant(x, 1, d, param_bits=32)               # format v1: V token, whole head dim
   mu_k = k_rot.mean(axis=1, keepdims=True)
   mb_v = _block_mean(v_rot)
   p = -(-prefix // 64) * 64  # the boundary block takes the higher class
   cases = {
       "v1 default (K ch64, V tok)": (kq(k_rot), vq(v_rot)),
-      "K ch64, V tok symmetric": (kq(k_rot), fake_quant(v_rot, 1, d, symmetric=True)),
-      "K ch64 symmetric, V tok": (fake_quant(k_rot, 64, 1, symmetric=True), vq(v_rot)),
-      "K tok + exact K smoothing, V tok": (fake_quant(k_rot - mu_k, 1, d) + mu_k, vq(v_rot)),
+      "K ch64, V tok symmetric": (kq(k_rot), fake_quant(v_rot, 1, d, symmetric=True, param_bits=32)),
+      "K ch64 symmetric, V tok": (fake_quant(k_rot, 64, 1, symmetric=True, param_bits=32), vq(v_rot)),
+      "K tok + exact K smoothing, V tok": (fake_quant(k_rot - mu_k, 1, d, param_bits=32) + mu_k, vq(v_rot)),
       "K ch64, V tok - block mean (exact)": (kq(k_rot), vq(v_rot - mb_v) + mb_v),
-      "K ch32, V g32": (fake_quant(k_rot, 32, 1), fake_quant(v_rot, 1, 32)),
-      "K ch16, V tok": (fake_quant(k_rot, 16, 1), vq(v_rot)),
-      "K ch64, V g16": (kq(k_rot), fake_quant(v_rot, 1, 16)),
-      "K ch16, V g16": (fake_quant(k_rot, 16, 1), fake_quant(v_rot, 1, 16)),
+      "K ch32, V g32": (fake_quant(k_rot, 32, 1, param_bits=32), fake_quant(v_rot, 1, 32, param_bits=32)),
+      "K ch16, V tok": (fake_quant(k_rot, 16, 1, param_bits=32), vq(v_rot)),
+      "K ch64, V g16": (kq(k_rot), fake_quant(v_rot, 1, 16, param_bits=32)),
+      "K ch16, V g16": (fake_quant(k_rot, 16, 1, param_bits=32), fake_quant(v_rot, 1, 16, param_bits=32)),
       "K ch32, V g32, prefix int8": None,
   }
-  k32, v32 = fake_quant(k_rot, 32, 1), fake_quant(v_rot, 1, 32)
-  k8, v8 = fake_quant(k_rot, 64, 1, 255), fake_quant(v_rot, 1, d, 255)
+  k32, v32 = fake_quant(k_rot, 32, 1, param_bits=32), fake_quant(v_rot, 1, 32, param_bits=32)
+  k8, v8 = fake_quant(k_rot, 64, 1, 255, param_bits=32), fake_quant(v_rot, 1, d, 255, param_bits=32)
   cases["K ch32, V g32, prefix int8"] = (np.concatenate([k8[:, :p], k32[:, p:]], 1),
                                          np.concatenate([v8[:, :p], v32[:, p:]], 1))
   out = {}

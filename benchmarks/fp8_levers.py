@@ -71,9 +71,11 @@ def fp8_attention(attend, q, k, v, scale, *, per_head=False, smooth_k=False, smo
 
   def run(q, k, v):
     (q8, dq), (k8, dk), (v8, dv) = to_e4m3(q), to_e4m3(k), to_e4m3(v)
-    # |o| <= max|v|: scale_o maps that bound onto e4m3's range; the output is descaled after.
-    o8 = attend(q8, k8, v8, dq, dk, dv, jnp.ones((1, 1, 1, 1), jnp.float32), scale)
-    return o8.astype(jnp.float32) * dv.reshape(())
+    # cuDNN applies the descales itself and returns scale_o * O in e4m3. |O| <= max|v|,
+    # so scale_o = 448 / max|v| puts O on e4m3's whole range; dividing by it undoes that.
+    scale_o = (E4M3_MAX / (dv * E4M3_MAX)).reshape(1, 1, 1, 1)
+    o8 = attend(q8, k8, v8, dq, dk, dv, scale_o, scale)
+    return o8.astype(jnp.float32) / scale_o.reshape(())
   if per_head:
     out = jnp.concatenate([run(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1]) for i in range(q.shape[2])], 2)
   else:
@@ -155,11 +157,12 @@ def main(argv=None):
       sys.exit("cuDNN FP8 attention needs a GPU and jax._src.cudnn's private FP8 entry point")
     # CPU smoke: an emulation with the same rounding points (e4m3 inputs, P scaled by 448, e4m3 out)
     def attend(q8, k8, v8, dq, dk, dv, scale_o, scale):
+      dq, dk, dv, scale_o = (x.reshape(()) for x in (dq, dk, dv, scale_o))
       s = jnp.einsum("bqhd,bkhd->bhqk", q8.astype(jnp.float32), k8.astype(jnp.float32)) * scale * dq * dk
       p = jnp.exp(s - s.max(-1, keepdims=True))  # flash-style: P before the row sum, in (0, 1]
       p8 = (p * E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32) / E4M3_MAX
-      o = jnp.einsum("bhqk,bkhd->bqhd", p8, v8.astype(jnp.float32)) * dv.reshape(()) * scale_o.reshape(())
-      o = o / jnp.moveaxis(p.sum(-1, keepdims=True), 1, 2) / dv.reshape(())
+      o = jnp.einsum("bhqk,bkhd->bqhd", p8, v8.astype(jnp.float32) * dv)
+      o = o / jnp.moveaxis(p.sum(-1), 1, 2)[..., None] * scale_o
       return o.astype(jnp.float8_e4m3fn)
     args.quality_tokens, args.speed_tokens = 512, []
   card = common.device_name()

@@ -1,7 +1,7 @@
 """End-to-end: perplexity of a pretrained model with every layer's K/V stored quantized (CPU).
 
   python3 -m benchmarks.kv_perplexity                          # 3 windows of 1024 + 1 of 2048 (~12 min)
-  python3 -m benchmarks.kv_perplexity --windows 1024:1 --storages "v1 int4,v1 int8"   # quick (~1 min)
+  python3 -m benchmarks.kv_perplexity --windows 1024:1 --storages "v2 int4,v2 int8"   # quick (~1 min)
 
 Why: cos of one layer's attention output (``kv_quality``) says how far a storage moves
 attention, not what that costs the model. Here SmolLM2-135M-Instruct
@@ -9,7 +9,7 @@ attention, not what that costs the model. Here SmolLM2-135M-Instruct
 its float32 forward pass with the K and V of every layer replaced, after RoPE, by their
 quantize -> dequantize round trip before causal softmax attention: the prefill of a
 model whose K/V cache is in that storage. The round trips and bit counts are
-``kv_quality``'s (``v1_roundtrip``, ``lever_roundtrip``, ``Lever.bits``): K and V are
+``kv_quality``'s (``format_roundtrip``, ``lever_roundtrip``, ``Lever.bits``): K and V are
 rotated by the format's Hadamard matrices, quantized in groups, read back and rotated
 back; q never changes. Every token's K/V is quantized, a query's own and its nearest
 keys included (no full-precision window of recent tokens, as KIVI keeps in decoding):
@@ -56,9 +56,10 @@ if ROOT not in sys.path:
 
 from benchmarks import common  # noqa: E402
 from benchmarks import kv_quality as kvq  # noqa: E402
-from benchmarks.kv_quality import LEVERS, V1_POLICIES, Lever  # noqa: E402
+from benchmarks.kv_quality import FORMAT_POLICIES, LEVERS, Lever  # noqa: E402
 
-HELD_OUT_START = 4096   # kv_quality chose its levers on tokens 0..4095 of the same text
+HELD_OUT_START = 4096
+DEFAULT_STORAGE = "v2 int4"   # the format's default class   # kv_quality chose its levers on tokens 0..4095 of the same text
 
 
 # --------------------------------------------------------------------------------------
@@ -82,12 +83,12 @@ def _bf16(k, v, rope):
   return to_bf16(k), to_bf16(v)
 
 
-def _v1(policy: dict, name: str, bits_as: Lever) -> Storage:
-  """Format v1 (its own quantize/dequantize reference) under a policy
-  (``kv_quality.v1_roundtrip``'s keywords); ``bits_as`` is the fake-quant Lever with
-  v1's layout for that class pair (float32 scales, zeros and stats), whose count is v1's."""
-  fn = functools.partial(lambda k, v, rope, kw: kvq.v1_roundtrip(k, v, **kw), kw=policy)
-  return Storage(name, fn, bits_as.bits(), bits_as.bits(64), f"kv_quality.v1_roundtrip(**{policy})")
+def _format(policy: dict, name: str, bits_as: Lever) -> Storage:
+  """The format (its own quantize/dequantize reference, version 2) under a policy
+  (``kv_quality.format_roundtrip``'s keywords); ``bits_as`` is the fake-quant Lever
+  with the format's layout for that class pair, whose bit count is the format's."""
+  fn = functools.partial(lambda k, v, rope, kw: kvq.format_roundtrip(k, v, **kw), kw=policy)
+  return Storage(name, fn, bits_as.bits(), bits_as.bits(64), f"kv_quality.format_roundtrip(**{policy})")
 
 
 def _lever(lever: Lever, name: str, source: str) -> Storage:
@@ -98,19 +99,22 @@ def _lever(lever: Lever, name: str, source: str) -> Storage:
 def storages() -> dict:
   """The issue's table (BF16, then every quantized storage), plus float32 as the exact
   reference and three extras: int4 K with int8 V; kv_quality's best lever at 5 bits
-  (K before RoPE); v1 int4 with its first 64-token block (the attention sink's) in
-  int8, format v1's prefix class, whose bits are counted as v1 int4's (the int8 block
+  (K before RoPE); v2 int4 with its first 64-token block (the attention sink's) in
+  int8, the format's prefix class, whose bits are counted as v2 int4's (the int8 block
   adds 4 x 64 / T: 0.25 bits at T = 1024, 0.002 at H3's T = 152,263).
 
-  Names: "v1" is format v1 (float32 scales, zeros and stats); "16-bit" has them in 16
-  bits; K8 V4 is int8 K with int4 V; K32 is K in groups of 32 tokens, V32 is V in
-  groups of 32 channels."""
+  Names: "v2" is the format itself (version 2: 16-bit scales, zeros and stats); "v1"
+  rows are the fake quantizer with format v1's float32 parameters (its own reference
+  is gone with version 1); "16-bit" levers have them in 16 bits; K8 V4 is int8 K with
+  int4 V; K32 is K in groups of 32 tokens, V32 is V in groups of 32 channels."""
   int8 = dict(param_bits=16, stat_bits=16, k_bits=8)
+  v2 = dict(param_bits=16, stat_bits=16)
   rows = [
       Storage("float32", None, 32.0, 32.0, "as computed"),
       Storage("bf16", _bf16, 16.0, 16.0, "k, v rounded to bfloat16"),
-      _v1(V1_POLICIES["all int4"], "v1 int4", Lever()),
-      _v1(dict(prefix=64), "v1 int4 + int8 block 0", Lever()),
+      _format(FORMAT_POLICIES["all int4"], "v2 int4", Lever(**v2)),
+      _format(dict(prefix=64), "v2 int4 + int8 block 0", Lever(**v2)),
+      _lever(Lever(), "v1 int4", "kv_quality.Lever() (format v1's float32 parameters)"),
       _lever(LEVERS["16-bit scales, zeros, stats"], "int4 16-bit",
              "kv_quality.LEVERS['16-bit scales, zeros, stats']"),
       _lever(LEVERS["16-bit + K 32 + codebook + clipping"], "int4 16-bit + K32 + codebook + clip",
@@ -120,10 +124,9 @@ def storages() -> dict:
       _lever(LEVERS["16-bit, 5-bit K, 4-bit V"], "K5 V4 16-bit",
              "kv_quality.LEVERS['16-bit, 5-bit K, 4-bit V']"),
       _lever(Lever(**int8), "K8 V4 16-bit", f"kv_quality.Lever(**{int8})"),
-      _v1(V1_POLICIES["int8 K, int4 V"], "v1 K8 V4", Lever(k_bits=8)),
-      _v1(V1_POLICIES["int4 K, int8 V"], "v1 K4 V8", Lever(v_bits=8)),
-      _lever(Lever(**int8, v_bits=8), "K8 V8 16-bit", f"kv_quality.Lever(**{int8}, v_bits=8)"),
-      _v1(V1_POLICIES["all int8"], "v1 int8", Lever(k_bits=8, v_bits=8)),
+      _format(FORMAT_POLICIES["int8 K, int4 V"], "v2 K8 V4", Lever(**int8)),
+      _format(FORMAT_POLICIES["int4 K, int8 V"], "v2 K4 V8", Lever(**v2, v_bits=8)),
+      _format(FORMAT_POLICIES["all int8"], "v2 int8", Lever(**int8, v_bits=8)),
   ]
   return {s.name: s for s in rows}
 
@@ -271,6 +274,9 @@ def main(argv=None):
   record = common.run_record()
   record["versions"] |= _quality_versions()
   common.write_json(out, record | results)
+  entries = scorecard_entries(results)
+  if entries:
+    common.update_scorecard(entries, card="cpu (float32 model)", source=out, command=record["command"])
   for key, setting in results["settings"].items():
     print(f"\nheld-out tokens {setting['tokens'][0]}..{setting['tokens'][1] - 1}, windows {key} "
           f"({setting['scored_tokens']} predictions); vs = ppl / ppl_ref - 1; se: paired, per token")
@@ -282,6 +288,22 @@ def main(argv=None):
         ("top-1 same", "top1_same_as_bf16", "{:.4f}")]))
     for pct, hit in setting["fewest_bits_within_pct_of_bf16"].items():
       print(f"fewest bits (D = 128) within {pct}% of bf16: " + (f"{hit[0]:.3f} ({hit[1]})" if hit else "none measured"))
+
+
+def scorecard_entries(results: dict) -> dict:
+  """The scorecard's ``quality.ppl_*`` entries from a results record: the default class
+  (v2 int4) against BF16 in the 1024 x 3 setting, and the fewest bits within 0.1% there."""
+  setting = results["settings"].get("1024x3")
+  if not setting:
+    return {}
+  rows = {r["storage"]: r for r in setting["rows"]}
+  out = {}
+  if DEFAULT_STORAGE in rows:
+    out["quality.ppl_delta_pct_default"] = round(rows[DEFAULT_STORAGE]["delta_pct_vs_bf16"], 2)
+  hit = setting["fewest_bits_within_pct_of_bf16"].get("0.1")
+  if hit:
+    out["quality.bits_for_ppl_0.1pct"] = hit[0]
+  return out
 
 
 def _quality_versions() -> dict:

@@ -13,8 +13,9 @@ compared with attention on the original values: cos and rel L1 per layer (all he
 all query rows), then the median and the worst layer; and the worst single head.
 
 Rows:
-* the format v1 policies (through ``formats.quantize_reference``): all int4, an int8
-  prefix of 256 tokens, int4 K with int8 V, int8 K with int4 V, all int8, K per token;
+* the format's policies (through ``formats.quantize_reference``, format v2 since Dec 7:
+  16-bit parameters): all int4, an int8 prefix of 256 tokens, int4 K with int8 V, int8
+  K with int4 V, all int8, K per token;
 * levers for a version 2, each alone and combined (fake quantization in numpy, same
   rounding as the format): 16-bit scales and stats, a Lloyd-Max 4-bit codebook fitted
   to the normalized group values, MSE-optimal clipping of each group's range, finer
@@ -86,8 +87,8 @@ def rotations(d, seed_k=0, seed_v=1):
   return fmt.hadamard_rotation(d, seed_k), fmt.hadamard_rotation(d, seed_v)
 
 
-def v1_roundtrip(k, v, *, k_class="int4", v_class="int4", prefix=0, k_scheme="channel"):
-  """Format v1 through its own reference: (T, H, D) f32 in -> dequantized, un-rotated."""
+def format_roundtrip(k, v, *, k_class="int4", v_class="int4", prefix=0, k_scheme="channel"):
+  """The format through its own reference: (T, H, D) f32 in -> dequantized, un-rotated."""
   t, h, d = k.shape
   r_k, r_v = rotations(d)
   out = []
@@ -166,17 +167,23 @@ def _quantize_groups(g, lever: Lever, group_size: int, bits: int):
 
 def _levels(g, lo, hi, lever, group_size, bits):
   span = hi - lo
-  scale = np.where(span > 0, span, 1.0)
-  zero = lo
-  if lever.param_bits == 16:
-    scale, zero = scale.astype(np.float16).astype(np.float32), zero.astype(np.float16).astype(np.float32)
-  u = np.clip((g - zero) / scale, 0.0, 1.0)
+  top = 2 ** bits - 1
+  f16 = lambda a: np.clip(a, -65504.0, 65504.0).astype(np.float16).astype(np.float32)
   if lever.codebook:
+    scale, zero = np.where(span > 0, span, 1.0), lo
+    if lever.param_bits == 16:
+      scale, zero = f16(scale), f16(zero)
+    u = np.clip((g - zero) / scale, 0.0, 1.0)
     c = lloyd_max(group_size, 2 ** bits)
     idx = np.abs(u[..., None] - c).argmin(-1)
     return c[idx] * scale + zero
-  top = 2 ** bits - 1
-  return np.floor(u * top + 0.5) / top * scale + zero
+  # Uniform codes: the format's arithmetic (formats.packed_kv.asymmetric_params and
+  # quantize_codes), 16-bit parameters rounded as format v2 stores them.
+  step, zero = np.where(span > 0, span / top, 1.0), lo
+  if lever.param_bits == 16:
+    step, zero = f16(step), f16(zero)
+    step = np.where(step > 0, step, 1.0)
+  return np.clip(np.floor((g - zero) / step + 0.5), 0, top) * step + zero
 
 
 def lever_roundtrip(k, v, lever: Lever, rope=None):
@@ -203,7 +210,7 @@ def lever_roundtrip(k, v, lever: Lever, rope=None):
   return kq @ r_k.T, vq @ r_v.T
 
 
-V1_POLICIES = {
+FORMAT_POLICIES = {
     "all int4": dict(),
     "int8 first 256 tokens": dict(prefix=256),
     "int4 K, int8 V": dict(v_class="int8"),
@@ -213,7 +220,8 @@ V1_POLICIES = {
 }
 
 LEVERS = {
-    "v1 (fake quant, check)": Lever(),
+    "v1 (fake quant)": Lever(),
+    "format v2 (fake quant, check)": Lever(param_bits=16, stat_bits=16),
     "16-bit scales, zeros, stats": Lever(param_bits=16, stat_bits=16),
     "Lloyd-Max codebook": Lever(codebook=True),
     "MSE-optimal clipping": Lever(mse_clip=True),
@@ -300,8 +308,8 @@ def per_head_rows(layers: dict, counts=(1, 2, 3, 6)) -> list:
 
 
 def all_rows():
-  rows = {f"v1: {name}": functools.partial(lambda k, v, rope, kw: v1_roundtrip(k, v, **kw), kw=kw)
-          for name, kw in V1_POLICIES.items()}
+  rows = {f"format: {name}": functools.partial(lambda k, v, rope, kw: format_roundtrip(k, v, **kw), kw=kw)
+          for name, kw in FORMAT_POLICIES.items()}
   rows.update({f"lever: {name}": functools.partial(lambda k, v, rope, lev: lever_roundtrip(k, v, lev, rope),
                                                    lev=lev)
                for name, lev in LEVERS.items()})
@@ -362,7 +370,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   rows = all_rows()
   bits = {f"lever: {n}": lev.bits() for n, lev in LEVERS.items()}
-  results = {"bits_per_value_d128": bits | {"format v1": Lever().bits()}}
+  results = {"bits_per_value_d128": bits | {"format v1": Lever().bits(),
+                                            "format v2": Lever(param_bits=16, stat_bits=16).bits()}}
   if args.sample:
     layers, ropes, info = real_layers(0, (), True)
     print(f"real sample ({info['source']})", flush=True)
@@ -387,11 +396,11 @@ def main(argv=None):
   if not args.sample:
     real = {r["row"]: r for r in results[f"real_{max(int(x) for x in args.tokens.split(','))}"]["rows"]}
     synth = {r["row"]: r for r in results[f"synthetic_{t}"]["rows"]}
-    common.update_scorecard({"quality.real_median_cos_int4": round(real["v1: all int4"]["median_cos"], 5),
-                             "quality.real_worst_cos_int4": round(real["v1: all int4"]["worst_cos"], 5),
-                             "quality.bits_per_value": Lever().bits(),
+    common.update_scorecard({"quality.real_median_cos_default": round(real["format: all int4"]["median_cos"], 5),
+                             "quality.real_worst_cos_default": round(real["format: all int4"]["worst_cos"], 5),
+                             "quality.bits_per_value_default": Lever(param_bits=16, stat_bits=16).bits(),
                              "quality.synthetic_min_cos_int4_4096" if t == 4096 else f"quality.synthetic_min_cos_int4_{t}":
-                                 round(synth["v1: all int4"]["worst_cos"], 5)},
+                                 round(synth["format: all int4"]["worst_cos"], 5)},
                             card="cpu (float32 attention)", source=out, command=common.run_record()["command"])
 
 

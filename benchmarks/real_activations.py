@@ -167,16 +167,18 @@ class SmolLM2:
     return out
 
 
-def capture(tokens: int, layers, text: str | None = None) -> tuple[dict, dict]:
-  """(activations, info) for the first ``tokens`` tokens of ``text`` (default text if
-  None). ``info`` records the model file, the text's source and hash."""
+def capture(tokens: int, layers, text: str | None = None, start: int = 0) -> tuple[dict, dict]:
+  """(activations, info) for tokens ``[start, start + tokens)`` of ``text`` (default
+  text if None), run as a fresh sequence. ``info`` records the model file, the text's
+  source and hash."""
   where = "given"
   if text is None:
     text, where = default_text()
   model = SmolLM2()
   ids = model.tokenize(text)
-  if len(ids) < tokens:
-    raise ValueError(f"the text has {len(ids)} tokens, fewer than {tokens}")
+  if len(ids) < start + tokens:
+    raise ValueError(f"the text has {len(ids)} tokens, fewer than {start} + {tokens}")
   info = {"model": MODEL_FILE, "text": where, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-          "text_tokens": int(len(ids)), "tokens": tokens, "rope_theta": model.theta, "layers": list(layers)}
-  return model.capture(ids[:tokens], tuple(layers)), info
+          "text_tokens": int(len(ids)), "tokens": tokens, "start": start, "rope_theta": model.theta,
+          "layers": list(layers)}
+  return model.capture(ids[start:start + tokens], tuple(layers)), info

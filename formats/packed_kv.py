@@ -1,4 +1,4 @@
-"""Packed low-bit K/V format, version 1: data, metadata and the plain-jnp reference.
+"""Packed low-bit K/V format, version 2: data, metadata and the plain-jnp reference.
 
 The byte-level specification lives in ``formats/FORMAT.md``; this module is its
 executable form. Everything here is plain jnp/numpy and defines what the Pallas
@@ -49,12 +49,15 @@ __all__ = [
     "FORMAT_VERSION",
     "K_SCHEMES",
     "LEVELS",
+    "PARAM_DTYPE",
+    "STAT_DTYPE",
     "PackedKV",
     "PackedKVMeta",
     "SUPPORTED_HEAD_DIMS",
     "V_SCHEMES",
     "asymmetric_params",
     "block_stats_reference",
+    "bits_per_value",
     "buffer_specs",
     "check_packed",
     "check_query",
@@ -64,13 +67,22 @@ __all__ = [
     "pack_nibbles",
     "quantize_codes",
     "quantize_reference",
+    "round_params",
     "resolve_block_classes",
     "scale_shape",
     "sylvester",
     "unpack_nibbles",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 2 stores scales and zeros in float16 and the block statistics in bfloat16
+# (version 1: float32). The format-v2 study (benchmarks/NOTES.md) measured no quality
+# cost: codes are chosen against the rounded parameters, so the decoder sees exactly
+# what the quantizer used. Stats are bfloat16 because a V sum over 64 tokens can pass
+# float16's 65,504; they only steer Sol's routing and pooled tail.
+PARAM_DTYPE = "float16"
+STAT_DTYPE = "bfloat16"
+FP16_MAX = 65504.0
 BLOCK = 64
 CLASSES = ("int4", "int8", "bf16")
 CLASS_ID = {name: i for i, name in enumerate(CLASSES)}
@@ -234,15 +246,22 @@ def buffer_specs(meta: PackedKVMeta) -> dict[str, tuple[tuple[int, ...], str]]:
   for role in ("k", "v"):
     n4, n8, n16 = (len(meta.slots(c)) * BLOCK for c in CLASSES)
     specs[f"{role}_codes4"] = ((b, h, n4, d // 2), "uint8")
-    specs[f"{role}_scale4"] = (scale_shape(meta, role, "int4"), "float32")
-    specs[f"{role}_zero4"] = (scale_shape(meta, role, "int4"), "float32")
+    specs[f"{role}_scale4"] = (scale_shape(meta, role, "int4"), PARAM_DTYPE)
+    specs[f"{role}_zero4"] = (scale_shape(meta, role, "int4"), PARAM_DTYPE)
     specs[f"{role}_codes8"] = ((b, h, n8, d), "uint8")
-    specs[f"{role}_scale8"] = (scale_shape(meta, role, "int8"), "float32")
-    specs[f"{role}_zero8"] = (scale_shape(meta, role, "int8"), "float32")
+    specs[f"{role}_scale8"] = (scale_shape(meta, role, "int8"), PARAM_DTYPE)
+    specs[f"{role}_zero8"] = (scale_shape(meta, role, "int8"), PARAM_DTYPE)
     specs[f"{role}_bf16"] = ((b, h, n16, d), "bfloat16")
-  specs["k_mean"] = ((b, h, nb, d), "float32")
-  specs["v_sum"] = ((b, h, nb, d), "float32")
+  specs["k_mean"] = ((b, h, nb, d), STAT_DTYPE)
+  specs["v_sum"] = ((b, h, nb, d), STAT_DTYPE)
   return specs
+
+
+def bits_per_value(meta: PackedKVMeta) -> float:
+  """Stored bits per K or V value: every array of the PackedKV (codes, parameters,
+  stats, padding of the last block) over the B*T*H*D values of K and V together."""
+  total = sum(int(np.prod(shape)) * np.dtype(jnp.dtype(dtype)).itemsize for shape, dtype in buffer_specs(meta).values())
+  return 8.0 * total / (2 * meta.batch * meta.num_tokens * meta.heads * meta.head_dim)
 
 
 ARRAY_NAMES = tuple(buffer_specs(PackedKVMeta(1, 1, 64, 64, (0,))).keys())
@@ -325,11 +344,24 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
   return jnp.concatenate([packed & 0xF, packed >> 4], axis=-1)
 
 
+def round_params(scale: jax.Array, zero: jax.Array):
+  """(scale, zero) rounded to the stored float16 values, as float32.
+
+  Saturates at float16's largest finite value (a group beyond +-65,504 clips there
+  instead of turning into inf/NaN); a scale that rounds to zero becomes 1, so its
+  group decodes to ``zero`` (its span is below 1e-6)."""
+  f16 = lambda a: jnp.clip(a, -FP16_MAX, FP16_MAX).astype(jnp.float16).astype(jnp.float32)
+  scale = f16(scale)
+  return jnp.where(scale > 0, scale, 1.0), f16(zero)
+
+
 def asymmetric_params(lo: jax.Array, hi: jax.Array, levels: int):
-  """(scale, zero) for codes in [0, levels]; a constant group gets scale 1."""
-  span = hi - lo
-  scale = jnp.where(span > 0, span / levels, 1.0).astype(jnp.float32)
-  return scale, lo.astype(jnp.float32)
+  """(scale, zero) for codes in [0, levels], as the float16 values the format stores
+  (held in float32); a constant group gets scale 1. Codes are computed against these
+  rounded values (``quantize_codes``), so decoding uses exactly the quantizer's grid."""
+  span = (hi - lo).astype(jnp.float32)
+  scale = jnp.where(span > 0, span / levels, 1.0)
+  return round_params(scale, lo.astype(jnp.float32))
 
 
 def quantize_codes(x: jax.Array, scale: jax.Array, zero: jax.Array, levels: int) -> jax.Array:
@@ -376,6 +408,7 @@ def _quantize_blocks(xb: jax.Array, valid: jax.Array, scheme: str, levels: int):
 def _dequantize_blocks(codes, scale, zero, scheme: str):
   """Inverse of ``_quantize_blocks``: codes (B,H,n,64,D) f32 -> values f32."""
   b, h, n, _, d = codes.shape
+  scale, zero = scale.astype(jnp.float32), zero.astype(jnp.float32)
   if scheme == "channel":
     return codes * scale[:, :, :, None, :] + zero[:, :, :, None, :]
   groups = scale.shape[2]
@@ -385,7 +418,8 @@ def _dequantize_blocks(codes, scale, zero, scheme: str):
 
 
 def block_stats_reference(k_rot: jax.Array, v_rot: jax.Array):
-  """Per-64-token-block K mean and V sum over live tokens: (B, H, NB, D) f32 each."""
+  """Per-64-token-block K mean and V sum over live tokens: (B, H, NB, D) f32 each
+  (the format stores them in ``STAT_DTYPE``)."""
   b, t, h, d = k_rot.shape
   nb = -(-t // BLOCK)
   kb = _blocked(k_rot.astype(jnp.float32), nb * BLOCK)
@@ -422,9 +456,9 @@ def quantize_reference(k_rot: jax.Array, v_rot: jax.Array, meta: PackedKVMeta) -
       codes, scale, zero = _quantize_blocks(sel, vsel, scheme, LEVELS[cls])
       codes = codes.reshape(b, h, n * BLOCK, d)
       arrays[f"{role}_codes{suffix}"] = pack_nibbles(codes) if cls == "int4" else codes.astype(jnp.uint8)
-      arrays[f"{role}_scale{suffix}"] = scale
-      arrays[f"{role}_zero{suffix}"] = zero
-  arrays["k_mean"], arrays["v_sum"] = block_stats_reference(k_rot, v_rot)
+      arrays[f"{role}_scale{suffix}"] = scale.astype(PARAM_DTYPE)
+      arrays[f"{role}_zero{suffix}"] = zero.astype(PARAM_DTYPE)
+  arrays["k_mean"], arrays["v_sum"] = (a.astype(STAT_DTYPE) for a in block_stats_reference(k_rot, v_rot))
   return PackedKV(meta, arrays)
 
 

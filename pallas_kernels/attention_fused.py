@@ -179,14 +179,14 @@ def _kernel(*refs, names, cfg: _Config):
       sc_ref, z_ref = r["k_scale" + sfx], r["k_zero" + sfx]
 
       def deq(c, chans):
-        scale, zero = sc_ref[s, chans], z_ref[s, chans]
+        scale, zero = sc_ref[s, chans].astype(jnp.float32), z_ref[s, chans].astype(jnp.float32)
         zero = zero - off * scale
         return (c.astype(jnp.float32) * scale[None, :] + zero[None, :]).astype(jnp.bfloat16)
 
       return dot(q_lo, deq(c_lo, lo), trans_b=True) + dot(q_hi, deq(c_hi, hi), trans_b=True)
     raw = dot(q_lo, c_lo, trans_b=True) + dot(q_hi, c_hi, trans_b=True)
-    scale = r["k_scale" + sfx + "_g0"][rows]
-    zero = r["k_zero" + sfx + "_g0"][rows] - off * scale
+    scale = r["k_scale" + sfx + "_g0"][rows].astype(jnp.float32)
+    zero = r["k_zero" + sfx + "_g0"][rows].astype(jnp.float32) - off * scale
     return raw * scale[None, :] + q_sum[:, None] * zero[None, :]
 
   def pv(cls, p, rows, valid, o, z):
@@ -217,10 +217,10 @@ def _kernel(*refs, names, cfg: _Config):
       # Masked tiles zero the scales of keys past the end: p is 0 there, but a
       # stale NaN scale would still poison p * scale.
       if valid is None:
-        scale, zero = sc_ref[rows], z_ref[rows]
+        scale, zero = sc_ref[rows].astype(jnp.float32), z_ref[rows].astype(jnp.float32)
       else:
-        scale = plgpu.load(sc_ref.at[rows], mask=valid, other=0.0)
-        zero = plgpu.load(z_ref.at[rows], mask=valid, other=0.0)
+        scale = plgpu.load(sc_ref.at[rows], mask=valid, other=0.0).astype(jnp.float32)
+        zero = plgpu.load(z_ref.at[rows], mask=valid, other=0.0).astype(jnp.float32)
       pg = (p * scale[None, :]).astype(jnp.bfloat16)
       pss.append(pg)
       z[g] = z[g] + (p * (zero + mid * scale)[None, :]).sum(-1)

@@ -90,9 +90,11 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v):
     scheme = meta.k_scheme if role == "k" else meta.v_scheme
     if scheme == "channel":  # (H, N, D): one row per slot
       params = [(s_ref[h, slot, c][None, :], z_ref[h, slot, c][None, :]) for c in (lo_c, hi_c)]
+      params = [(s.astype(jnp.float32), z.astype(jnp.float32)) for s, z in params]
     else:  # (H, groups, N * 64): one column per token, group g for half g (token_g64)
       groups = 2 if scheme == "token_g64" else 1
-      params = [(s_ref[h, g % groups, rows][:, None], z_ref[h, g % groups, rows][:, None]) for g in (0, 1)]
+      params = [(s_ref[h, g % groups, rows][:, None].astype(jnp.float32),
+                 z_ref[h, g % groups, rows][:, None].astype(jnp.float32)) for g in (0, 1)]
     (s_lo, z_lo), (s_hi, z_hi) = params
     return c_lo * s_lo + z_lo, c_hi * s_hi + z_hi
 

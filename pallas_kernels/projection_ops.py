@@ -98,7 +98,7 @@ def add_bias(lo, hi, b_ref, dh, off=0):
 
 def store_row(ref, row, col0, vec):
   """ref[row, col0:col0+len(vec)] = vec, through a (1, n) slice (row may be traced)."""
-  plgpu.store(ref.at[pl.ds(row, 1), pl.ds(col0, vec.shape[0])], vec[None, :])
+  plgpu.store(ref.at[pl.ds(row, 1), pl.ds(col0, vec.shape[0])], vec[None, :].astype(ref.dtype))
 
 
 def quantize_store(lo, hi, valid, scheme, levels, codes_ref, scale_ref, zero_ref, dh,

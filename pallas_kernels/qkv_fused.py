@@ -208,7 +208,7 @@ def _class_out(meta, cls, n, nblk=1):
   shapes, specs = [], []
   for role in ("k", "v"):
     scheme = meta.k_scheme if role == "k" else meta.v_scheme
-    sshape = jax.ShapeDtypeStruct(fmt.scale_shape(meta, role, cls), jnp.float32)
+    sshape = jax.ShapeDtypeStruct(fmt.scale_shape(meta, role, cls), jnp.dtype(fmt.PARAM_DTYPE))
     if nblk > 1:
       sspec = _head_spec(sshape.shape)
     elif scheme == "channel":
@@ -301,7 +301,7 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, inte
 
   # ---- K/V, one call per class ------------------------------------------------------
   # NaN start: a block that no class call wrote would show up at once.
-  stats = [jnp.full((b, hh, nb, d), jnp.nan, jnp.float32) for _ in range(2)]
+  stats = [jnp.full((b, hh, nb, d), jnp.nan, jnp.dtype(fmt.STAT_DTYPE)) for _ in range(2)]
   stats_spec = pl.BlockSpec((None, None, nb, d), lambda h, s, bb: (bb, h, 0, 0))
   arrays = {}
   for cls in fmt.CLASSES:
@@ -329,7 +329,7 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, inte
         grid=(hh, pl.cdiv(n, nblk), b),
         in_specs=kv_specs,
         out_specs=[stats_spec, stats_spec] + cls_specs,
-        out_shape=[jax.ShapeDtypeStruct((b, hh, nb, d), jnp.float32)] * 2 + cls_shapes,
+        out_shape=[jax.ShapeDtypeStruct((b, hh, nb, d), jnp.dtype(fmt.STAT_DTYPE))] * 2 + cls_shapes,
         input_output_aliases={n_in - 2: 0, n_in - 1: 1},
         compiler_params=kv_params, interpret=interpret, name=f"streamed_qkv_kv_{cls}",
     )(*kv_args)

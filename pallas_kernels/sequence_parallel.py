@@ -9,7 +9,7 @@ devices. Inside one ``jax.shard_map`` program each device:
    heads split into P groups, tokens gathered. Afterwards it holds Q and the packed
    K/V of all T tokens for H/P heads. This is the step where BF16 Ulysses (xDiT/USP,
    the layer users run today) sends K and V at 2 bytes a value; the packed K/V moves
-   about 5.25 bits a value (``wire_bytes``);
+   about 4.625 bits a value, format v2 (``wire_bytes``);
 3. runs the single-device dense or Sol attention on its heads, unchanged;
 4. sends O back to token shards with a second ``all_to_all``.
 

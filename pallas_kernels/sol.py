@@ -252,15 +252,17 @@ def _unrotation(meta) -> jax.Array:
 
 
 def _pooled_keys(packed, lengths, unrotation):
-  """(k_mean over live rows, kg, kvar): (B,H,NB,D), (B,H,D), (B,H,D) f32; kvar per
+  """(k_mean over live rows, kg, kvar): (B,H,NB,D) (the stored bf16, or f32 when
+  rescaled by ``lengths``), (B,H,D), (B,H,D) f32; kvar per
   channel of the caller's basis (``unrotation`` = ``_unrotation(meta)``)."""
   meta = packed.meta
   rows = np.minimum(meta.num_tokens - np.arange(meta.num_blocks) * BLOCK, BLOCK).astype(np.float32)
-  km = packed.k_mean
+  km = packed.k_mean  # stored bf16; the kernel reads it as is, the sums below in f32
   if lengths is not None:
-    km = km * (jnp.asarray(rows) / lengths.astype(jnp.float32))[None, None, :, None]
-  kg = km.mean(axis=2)
-  kcc_caller = jnp.einsum("bhnd,de->bhne", km - kg[:, :, None], unrotation, precision=lax.Precision.HIGHEST)
+    km = km.astype(jnp.float32) * (jnp.asarray(rows) / lengths.astype(jnp.float32))[None, None, :, None]
+  kg = km.astype(jnp.float32).mean(axis=2)
+  kcc_caller = jnp.einsum("bhnd,de->bhne", km.astype(jnp.float32) - kg[:, :, None], unrotation,
+                          precision=lax.Precision.HIGHEST)
   kvar = jnp.square(kcc_caller).mean(axis=2)
   return km, kg, kvar
 
@@ -348,8 +350,8 @@ class SolRouting:
   counts: (B, H, NB) int32 live entries of ``blocks`` (0 on sink_q rows).
   dropped: (B, H, NB) int32 routed blocks beyond ``max_exact``, pooled instead.
   centroid: (B, H, NB, D) f32 query-block centroids; k_global: (B, H, D) f32 kg.
-  k_mean: (B, H, NB, D) f32 block K means over the live rows: ``PackedKV.k_mean``
-    itself unless ``block_len`` rescaled it (then a new array).
+  k_mean: (B, H, NB, D) block K means over the live rows: ``PackedKV.k_mean`` itself
+    (bf16, format v2) unless ``block_len`` rescaled it (then a new f32 array).
   """
   blocks: jax.Array
   counts: jax.Array
@@ -505,7 +507,7 @@ def _reference_jit(q, packed, key_bias, block_len, *, plan, keep_rotated):
   p_blk = jnp.exp2(s_blk - m)
   v_live = jnp.where(live[None, :, None, None], v, 0.0)
   num = (jnp.einsum("bhqk,bkhd->bhqd", p_tok, v_live, precision=lax.Precision.HIGHEST)
-         + jnp.einsum("bhqn,bhnd->bhqd", p_blk, packed.v_sum, precision=lax.Precision.HIGHEST))
+         + jnp.einsum("bhqn,bhnd->bhqd", p_blk, packed.v_sum.astype(jnp.float32), precision=lax.Precision.HIGHEST))
   den = p_tok.sum(-1) + (p_blk * lengths.astype(jnp.float32)).sum(-1)
   o = (num / jnp.where(den > 0, den, 1.0)[..., None]).transpose(0, 2, 1, 3)
   if not keep_rotated:
@@ -575,13 +577,13 @@ def _kernel(*refs, names, cfg: _KConfig):
       sc_ref, z_ref = r["k_scale" + sfx], r["k_zero" + sfx]
 
       def deq(c, chans, kg):
-        scale = sc_ref[slot, chans] * qks
-        zero = (z_ref[slot, chans] - kg) * qks - off * scale
+        scale = sc_ref[slot, chans].astype(jnp.float32) * qks
+        zero = (z_ref[slot, chans].astype(jnp.float32) - kg) * qks - off * scale
         return (c.astype(jnp.float32) * scale[None, :] + zero[None, :]).astype(jnp.bfloat16)
       return _dot(q_lo, deq(c_lo, lo, kg_lo), trans_b=True) + _dot(q_hi, deq(c_hi, hi, kg_hi), trans_b=True)
     raw = _dot(q_lo, c_lo, trans_b=True) + _dot(q_hi, c_hi, trans_b=True)
-    scale = r["k_scale" + sfx + "_g0"][rows] * qks
-    zero = r["k_zero" + sfx + "_g0"][rows] * qks - off * scale
+    scale = r["k_scale" + sfx + "_g0"][rows].astype(jnp.float32) * qks
+    zero = r["k_zero" + sfx + "_g0"][rows].astype(jnp.float32) * qks - off * scale
     return raw * scale[None, :] + q_sum[:, None] * zero[None, :] - q_kg[:, None]
 
   def pv(cls, p, rows, live):
@@ -596,8 +598,8 @@ def _kernel(*refs, names, cfg: _KConfig):
     sfx = "4" if cls == "int4" else "8"
 
     def group(g):
-      scale = plgpu.load(r[f"v_scale{sfx}_g{g}"].at[rows], mask=live, other=0.0)
-      zero = plgpu.load(r[f"v_zero{sfx}_g{g}"].at[rows], mask=live, other=0.0)
+      scale = plgpu.load(r[f"v_scale{sfx}_g{g}"].at[rows], mask=live, other=0.0).astype(jnp.float32)
+      zero = plgpu.load(r[f"v_zero{sfx}_g{g}"].at[rows], mask=live, other=0.0).astype(jnp.float32)
       ps = (p * scale[None, :]).astype(jnp.bfloat16)
       corr = (p * zero[None, :]).sum(-1) - off * ps.astype(jnp.float32).sum(-1)
       return ps, corr[:, None]
@@ -672,8 +674,8 @@ def _kernel(*refs, names, cfg: _KConfig):
       in_range = bids < nb
       tiles = pl.ds(t * BLOCK, BLOCK)
       tmask = jnp.broadcast_to(in_range[:, None], (BLOCK, half))
-      km_lo = plgpu.load(r["km"].at[tiles, lo], mask=tmask, other=0.0)
-      km_hi = plgpu.load(r["km"].at[tiles, hi], mask=tmask, other=0.0)
+      km_lo = plgpu.load(r["km"].at[tiles, lo], mask=tmask, other=0.0).astype(jnp.float32)
+      km_hi = plgpu.load(r["km"].at[tiles, hi], mask=tmask, other=0.0).astype(jnp.float32)
       s = ((km_lo * cen_lo[None, :]).sum(-1) + (km_hi * cen_hi[None, :]).sum(-1) - c_kg) * qks
       # Exact membership: the list is ascending, so the entries of this tile
       # sit in the 64-wide window starting at ptr.
@@ -694,7 +696,7 @@ def _kernel(*refs, names, cfg: _KConfig):
       pb = p.astype(jnp.bfloat16)
 
       def pv_half(chans):
-        vs = plgpu.load(r["vs"].at[tiles, chans], mask=tmask, other=0.0)
+        vs = plgpu.load(r["vs"].at[tiles, chans], mask=tmask, other=0.0).astype(jnp.float32)
         a, b = split_bf16(vs)  # one more dot, no f32 dot
         return _dot(pb, a) + _dot(pb, b)
       o_lo = o_lo * alpha[:, None] + pv_half(lo)

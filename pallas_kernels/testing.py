@@ -34,10 +34,11 @@ def quality(out, ref) -> dict:
   return {"cos": cosine(out, ref), "rel_l1": rel_l1(out, ref), "rel_l2": rel_err(out, ref)}
 
 
-def group_scale_zero(x, tok_group, chan_group, levels=15, symmetric=False):
+def group_scale_zero(x, tok_group, chan_group, levels=15, symmetric=False, param_bits=16):
   """x (B, T, H, D), T a multiple of tok_group: one (scale, zero) per group of tok_group
   tokens x chan_group channels, broadcast back to x's shape (float32; asymmetric:
-  zero = group min; symmetric: zero = -amax)."""
+  zero = group min; symmetric: zero = -amax). ``param_bits`` 16 rounds them as format
+  v2 stores them (``formats.packed_kv.round_params``); 32 keeps float32 (format v1)."""
   x = np.asarray(x, np.float32)
   b, t, h, d = x.shape
   g = x.reshape(b, t // tok_group, tok_group, h, d // chan_group, chan_group)
@@ -47,15 +48,21 @@ def group_scale_zero(x, tok_group, chan_group, levels=15, symmetric=False):
   else:
     zero, hi = g.min(axis=(2, 5), keepdims=True), g.max(axis=(2, 5), keepdims=True)
     scale = np.where(hi > zero, (hi - zero) / levels, 1.0)
+  if param_bits == 16:
+    f16 = lambda a: np.clip(a, -65504.0, 65504.0).astype(np.float16).astype(np.float32)
+    scale, zero = f16(scale), f16(zero)
+    scale = np.where(scale > 0, scale, 1.0)
+  elif param_bits != 32:
+    raise ValueError(f"param_bits must be 16 or 32, got {param_bits}")
   full = lambda a: np.broadcast_to(a, g.shape).reshape(x.shape).astype(np.float32)
   return full(scale), full(zero)
 
 
-def fake_quant(x, tok_group, chan_group, levels=15, symmetric=False):
+def fake_quant(x, tok_group, chan_group, levels=15, symmetric=False, param_bits=16):
   """x (B, T, H, D) quantized to levels + 1 codes per group (``group_scale_zero``) with
   the format's rounding, returned dequantized in float32."""
   x = np.asarray(x, np.float32)
-  scale, zero = group_scale_zero(x, tok_group, chan_group, levels, symmetric)
+  scale, zero = group_scale_zero(x, tok_group, chan_group, levels, symmetric, param_bits)
   codes = np.clip(np.floor((x - zero) / scale + 0.5), 0, levels)
   return (codes * scale + zero).astype(np.float32)
 

@@ -49,11 +49,11 @@ def test_storages_move_logits_by_their_precision(tiny):
   rows = kvp.storages()
   ref = np.asarray(model.logits(ids))
   err = {}
-  for name in ("bf16", "v1 int8", "v1 int4", "int4 16-bit + K pre-RoPE + V32"):
+  for name in ("bf16", "v2 int8", "v2 int4", "int4 16-bit + K pre-RoPE + V32"):
     out = np.asarray(model.logits(ids, kvp.kv_store_for(rows[name], TOKENS, model)))
     err[name] = float(np.abs(out - ref).max() / np.abs(ref).max())
-  assert 0 < err["bf16"] < 2e-2 and 0 < err["v1 int8"] < 2e-2
-  assert err["v1 int8"] < err["v1 int4"] < 0.3
+  assert 0 < err["bf16"] < 2e-2 and 0 < err["v2 int8"] < 2e-2
+  assert err["v2 int8"] < err["v2 int4"] < 0.3
   assert 0 < err["int4 16-bit + K pre-RoPE + V32"] < 0.3
   # Causal: with K/V as computed, a prefix's logits do not depend on what follows it.
   np.testing.assert_allclose(np.asarray(model.logits(ids[:64])), ref[:64], rtol=1e-4, atol=1e-4)
@@ -63,7 +63,7 @@ def test_scores_and_summary(tiny):
   model, ids = tiny
   logits, ref = kvp.window_scores(model, ids)
   assert ref["nll"].shape == (TOKENS - 1,) and np.all(ref["kl"] == 0) and ref["top1_same"].all()
-  store = kvp.kv_store_for(kvp.storages()["v1 int4"], TOKENS, model)
+  store = kvp.kv_store_for(kvp.storages()["v2 int4"], TOKENS, model)
   _, q = kvp.window_scores(model, ids, store, logits)
   assert np.all(q["kl"] > -1e-6) and q["kl"].mean() > 0
   s = kvp.summarize({"bf16": ref["nll"], "q": q["nll"]}, "bf16")
@@ -73,12 +73,12 @@ def test_scores_and_summary(tiny):
 
 def test_bits_are_the_issue_table():
   bits = {n: s.bits for n, s in kvp.storages().items()}
-  assert bits["v1 int4"] == 5.25 and bits["int4 16-bit"] == 4.625
+  assert bits["v1 int4"] == 5.25 and bits["v2 int4"] == bits["int4 16-bit"] == 4.625
   assert bits["int4 16-bit + K32 + codebook + clip"] == 4.875 and bits["K5 V4 16-bit"] == 5.125
-  assert bits["K8 V4 16-bit"] == 6.625 and bits["v1 K8 V4"] == 7.25 and bits["v1 int8"] == 9.25
+  assert bits["K8 V4 16-bit"] == bits["v2 K8 V4"] == 6.625 and bits["v2 int8"] == 8.625
   rows = kvp.storages()
-  summary = {n: {"delta_pct": d} for n, d in (("bf16", 0.0), ("v1 int4", 0.4), ("int4 16-bit", 0.05),
-                                              ("v1 int8", 0.01))}
-  assert kvp.fewest_bits_within(summary, rows, 0.1) == (4.625, "int4 16-bit")
-  assert kvp.fewest_bits_within(summary, rows, 0.01) == (9.25, "v1 int8")
+  summary = {n: {"delta_pct": d} for n, d in (("bf16", 0.0), ("v1 int4", 0.4), ("v2 int4", 0.05),
+                                              ("v2 int8", 0.01))}
+  assert kvp.fewest_bits_within(summary, rows, 0.1) == (4.625, "v2 int4")
+  assert kvp.fewest_bits_within(summary, rows, 0.01) == (8.625, "v2 int8")
   assert kvp.fewest_bits_within(summary, rows, 0.001) is None

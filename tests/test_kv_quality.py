@@ -1,6 +1,6 @@
 """The K/V quality benchmark's quick version on the committed real-activation sample
 (two SmolLM2 layers, 1,024 tokens): the fake quantizer that the lever study builds on
-reproduces format v1's own round trip, and the rows order as they must."""
+reproduces the format's own round trip (v2: 16-bit parameters), and the rows order as they must."""
 import json
 import os
 import subprocess
@@ -15,9 +15,9 @@ def test_sample_run_matches_the_format_and_orders_the_policies(tmp_path):
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = {r["row"]: r for r in json.loads(out.read_text())["real_sample"]["rows"]}
-  v1, fake = rows["v1: all int4"], rows["lever: v1 (fake quant, check)"]
+  v1, fake = rows["format: all int4"], rows["lever: format v2 (fake quant, check)"]
   for layer, m in v1["layers"].items():   # same codes, same dequantized values, same attention
     assert abs(m["cos"] - fake["layers"][layer]["cos"]) < 1e-6, layer
-  assert rows["v1: all int8"]["worst_cos"] > 0.9999
-  assert rows["v1: all int8"]["median_cos"] > rows["v1: int8 K, int4 V"]["median_cos"] > v1["median_cos"]
-  assert rows["v1: K per token, all int4"]["median_cos"] < v1["median_cos"]  # why K is per channel
+  assert rows["format: all int8"]["worst_cos"] > 0.9999
+  assert rows["format: all int8"]["median_cos"] > rows["format: int8 K, int4 V"]["median_cos"] > v1["median_cos"]
+  assert rows["format: K per token, all int4"]["median_cos"] < v1["median_cos"]  # why K is per channel

@@ -19,7 +19,7 @@ def test_no_link_leaves_the_repository():
 def test_quick_start_blocks_run_as_written():
   text = open(os.path.join(ROOT, "README.md")).read()
   blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-  assert len(blocks) == 3, "the README's quick start has a JAX, a torch and a diffusers block"
+  assert len(blocks) == 4, "the README has a JAX, a torch, a diffusers and a calibration block"
   scopes = []
   for code in blocks:
     scope = {}
@@ -27,3 +27,5 @@ def test_quick_start_blocks_run_as_written():
     scopes.append(scope)
   assert tuple(scopes[1]["y"].shape) == (1, 256, 128)
   assert tuple(scopes[2]["video"].shape) == (1, 4, 2, 16, 16)
+  policy = scopes[3]["policy"]
+  assert len(scopes[3]["classes"]) == 4 and policy.report["bits_per_value"] <= 5.25 + 1e-9

@@ -137,10 +137,10 @@ def test_plan_and_wire_bytes():
   assert plan.shard_tokens == 128 and plan.local_tokens == (128, 128, 44, 0)
   assert plan.capacity == (2, 1, 0) and plan.block_classes == (1, 0, 0, 0, 0)
   assert len(plan.branches()) == 4
-  # H3 at T = 152,263 on 8 devices, all int4: K/V at 5.25 bits a value (codes, f32
-  # scales and zeros per 64 values, f32 block stats) against 16, to within padding.
+  # H3 at T = 152,263 on 8 devices, all int4: K/V at 4.625 bits a value (format v2:
+  # codes, f16 scales and zeros, bf16 block stats) against 16, to within padding.
   wb = sp.wire_bytes(152_263, 56, 128, 8)
-  assert abs(wb["kv_ratio"] - 5.25 / 16) < 0.01, wb
+  assert abs(wb["kv_ratio"] - 4.625 / 16) < 0.01, wb
   s = -(-152_263 // (8 * 64)) * 64
   assert wb["bf16"] == 7 * s * 56 * 128 * 2 * 4      # Q, K, V out and O back, 7/8 of 8 shards
   assert wb["ratio"] < 0.7

@@ -114,10 +114,11 @@ def test_streamed_method_matches_fused_and_reference(name):
   _check(streamed, sol.sol_attention_reference(q, packed, **kw), live)
   qual = _check(streamed, fused, live, cos=0.9999)
   assert qual["rel_l2"] < 1e-2, qual
-  # Every head in one group, and the output over q: the same values.
+  # Every head in one group, and the output over q: the same values, up to one bf16 ulp
+  # (XLA fuses the f32 routing sums over the bf16 block stats differently per group shape).
   q_copy = jnp.array(q, copy=True)
   whole = sol.sol_attention(q_copy, packed, method="streamed", overwrite_q=True, **kw)
-  np.testing.assert_array_equal(np.asarray(whole, np.float32), np.asarray(streamed, np.float32))
+  np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(streamed, np.float32), rtol=2 ** -7, atol=0)
   with pytest.raises(ValueError, match="use method='fused'"):
     sol.sol_attention(q, packed, method="streamed", scratch_bytes=one_head - 1, **kw)
   with pytest.raises(ValueError, match="method must be one of"):
@@ -185,7 +186,12 @@ def test_reference_matches_comfy_kitchen_eager(kw):
   out = np.asarray(sol.sol_attention_reference(jnp.asarray(qr, jnp.bfloat16), packed, **ours))
   caller = (qr @ rk.T, kr @ rk.T, vr @ rv.T)   # exact in float32 up to rounding: R is orthogonal
   want = eager.sol_attn(*(torch.from_numpy(np.ascontiguousarray(x, np.float32)) for x in caller), **theirs).numpy()
-  assert quality(out[:, live], want[:, live])["rel_l1"] < 1e-5
+  # Format v2 stores the block stats (K means, V sums) in bf16 where comfy-kitchen keeps
+  # float32: most settings agree to ~1e-4, and a near-tie top-k choice can move one
+  # block between exact and pooled (rel L1 3e-3 with topk_ratio 0.3). With float32
+  # stats (format v1) all six agreed to 1e-5.
+  got = quality(out[:, live], want[:, live])
+  assert got["rel_l1"] < 5e-3 and got["cos"] > 0.9998, got
 
 
 def test_tau_moves_monotonically_toward_dense():

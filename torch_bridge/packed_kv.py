@@ -1,4 +1,4 @@
-"""Torch mirror of the packed K/V format (formats/FORMAT.md, version 1).
+"""Torch mirror of the packed K/V format (formats/FORMAT.md, version 2).
 
 Why a mirror and not a conversion: the torch side must see the very buffers the
 projection kernel wrote, with no copy and no BF16 expansion. ``TorchPackedKV`` holds
@@ -23,7 +23,8 @@ import formats
 from formats import ARRAY_NAMES, PackedKV, PackedKVMeta
 from torch_bridge import dlpack
 
-TORCH_DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}
 
 
 def torch_buffer_specs(meta: PackedKVMeta) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

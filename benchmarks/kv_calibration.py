@@ -1,0 +1,131 @@
+"""Precision chosen by measured error (issue 39): ``formats.calibrate`` against the best
+uniform policy at the same bits, on real activations, held out (CPU).
+
+  python3 -m benchmarks.kv_calibration            # SmolLM2, 6 layers, T = 2048 (~3 min)
+  python3 -m benchmarks.kv_calibration --sample   # the committed 2-layer sample (CI)
+
+Calibration samples: the six layers of ``kv_quality`` (SmolLM2-135M, post-RoPE q, k,
+v), tokens 0..T-1 of the text. Evaluation: the same layers on held-out tokens
+4096..4096+T-1, a fresh sequence, so the policy is judged on text it did not see.
+Attention is non-causal float32 (as a DiT's), its output compared by cos with the
+exact one; K/V go through the format's own reference (v2).
+
+Rows, each at its own average bits per value (D = 128):
+* all int4: the default class;
+* calibrated: ``calibrate(max_bits=5.25)``, int8 token ranges per layer, worst layer
+  first;
+* uniform: the same int8 ranges in every layer, chosen by the gains summed over the
+  layers, as many as the calibrated policy's bits allow: the best policy that does
+  not tell layers apart;
+* all int8.
+Writes ``results/kv_calibration_<date>.json`` and the scorecard's
+``quality.calibrated_*`` entries.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.kv_quality import REAL_LAYERS, SAMPLE  # noqa: E402
+from formats import packed_kv as fmt  # noqa: E402
+from formats.calibration import (UPGRADE, PrecisionPolicy, _attention, attention_cos, calibrate,  # noqa: E402
+                                 storage_roundtrip)
+
+HELD_OUT_START = 4096
+
+
+def evaluate(policy: PrecisionPolicy, layers: dict) -> dict:
+  """Measured cos per layer with the policy's classes, median, worst, bits."""
+  cos = {}
+  for key, (q, k, v) in layers.items():
+    kd, vd = storage_roundtrip(k, v, policy.block_classes(key))
+    cos[str(key)] = attention_cos(_attention(q, kd, vd), _attention(q, k, v))
+  vals = list(cos.values())
+  return {"cos": cos, "median_cos": float(np.median(vals)), "worst_cos": float(min(vals)),
+          "bits_per_value": policy.bits_per_value(1, 128)}
+
+
+def uniform_policy(calibrated: PrecisionPolicy, keys, max_bits: float) -> PrecisionPolicy:
+  """The same int8 ranges in every layer, ranked by the calibration's gains summed over
+  layers, as many as ``max_bits`` allows (the calibrated policy's own budget)."""
+  rep = calibrated.report
+  gains = np.sum([rep["gains"][str(k)] for k in keys], axis=0)
+  unit = rep["range_tokens"]
+  t = calibrated.num_tokens
+  spans = [(a, min(a + unit, t)) for a in range(0, t, unit)]
+  up = fmt.bits_per_value(fmt.PackedKVMeta(1, 1, 128, fmt.BLOCK, (fmt.CLASS_ID[UPGRADE],)))
+  base = fmt.bits_per_value(fmt.PackedKVMeta(1, 1, 128, fmt.BLOCK, (0,)))
+  budget = (max_bits - base) / (up - base) * t       # int8 tokens per layer
+  chosen, used = [], 0
+  for i in np.argsort(-gains):
+    a, b = spans[i]
+    if used + (b - a) > budget:
+      continue
+    chosen.append((a, b))
+    used += b - a
+  return PrecisionPolicy(t, {key: tuple(sorted(chosen)) for key in keys})
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--tokens", type=int, default=2048)
+  ap.add_argument("--max-bits", type=float, default=5.25)
+  ap.add_argument("--range-blocks", type=int, default=1, help="token-range unit in 64-token blocks")
+  ap.add_argument("--sample", action="store_true", help="the committed 2-layer sample, first half calibrates, "
+                                                        "second half evaluates (T = 512)")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  if args.sample:
+    z = np.load(SAMPLE)
+    names = sorted({int(k[1:]) for k in z.files})
+    get = lambda n, sl: tuple(z[f"{r}{n}"][sl].astype(np.float32) for r in "qkv")
+    half = z[f"q{names[0]}"].shape[0] // 2
+    calib = {n: get(n, slice(0, half)) for n in names}
+    held = {n: get(n, slice(half, 2 * half)) for n in names}
+    info = {"source": os.path.relpath(SAMPLE, ROOT), "calibrate_tokens": [0, half], "held_out_tokens": [half, 2 * half]}
+  else:
+    from benchmarks import real_activations
+    t = args.tokens
+    calib, info_c = real_activations.capture(t, REAL_LAYERS, start=0)
+    held, info_h = real_activations.capture(t, REAL_LAYERS, start=HELD_OUT_START)
+    info = {"calibrate": info_c, "held_out": info_h}
+  print(f"calibration data: {info}", flush=True)
+  # Bits counted at H3's head dim 128, as kv_quality and kv_perplexity count them.
+  pol = calibrate(calib, max_bits=args.max_bits, range_blocks=args.range_blocks, bits_head_dim=128)
+  keys = list(calib)
+  t = pol.num_tokens
+  all4 = PrecisionPolicy(t, {k: () for k in keys})
+  all8 = PrecisionPolicy(t, {k: ((0, t),) for k in keys})
+  uni = uniform_policy(pol, keys, args.max_bits)
+  rows = []
+  for name, p in (("all int4 (default)", all4), (f"calibrated (max_bits {args.max_bits})", pol),
+                  ("uniform, same bits", uni), ("all int8", all8)):
+    for where, layers in (("calibration tokens", calib), ("held-out tokens", held)):
+      rows.append({"policy": name, "data": where, **evaluate(p, layers)})
+  print(common.table(rows, [("policy", "policy", "{}"), ("data", "data", "{}"), ("bits", "bits_per_value", "{:.3f}"),
+                            ("median cos", "median_cos", "{:.5f}"), ("worst cos", "worst_cos", "{:.5f}")]))
+  out = args.out or os.path.join(common.RESULTS, f"kv_calibration_{'sample_' if args.sample else ''}"
+                                                 f"{datetime.date.today().isoformat()}.json")
+  common.write_json(out, common.run_record() | {"info": info, "upgrade_class": UPGRADE, "rows": rows,
+                                                "policy": PrecisionPolicy.from_json(pol.to_json()).to_json(),
+                                                "uniform_ranges": [list(r) for r in uni.ranges[keys[0]]]})
+  if not args.sample:
+    pick = {(r["policy"].split(" (")[0].split(",")[0], r["data"]): r for r in rows}
+    cal, un = pick[("calibrated", "held-out tokens")], pick[("uniform", "held-out tokens")]
+    common.update_scorecard({"quality.calibrated_worst_cos_5p25bits": round(cal["worst_cos"], 5),
+                             "quality.calibrated_worst_cos_gain": round(cal["worst_cos"] - un["worst_cos"], 5)},
+                            card="cpu (float32 attention)", source=out, command=common.run_record()["command"])
+  return rows
+
+
+if __name__ == "__main__":
+  main()
