@@ -1,0 +1,39 @@
+"""The GPU-only probes of issues 40 and 41 run on the CPU in their smoke mode (tiny
+shapes, interpret mode, an emulated FP8 attention), and their figures make sense."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(module, tmp_path):
+  out = tmp_path / f"{module}.json"
+  proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--cpu-smoke", "--out", str(out)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return json.loads(out.read_text())
+
+
+def test_profile_projection_parts_add_up(tmp_path):
+  rows = {r["part"]: r for r in _run("profile_projection", tmp_path)["rows"]}
+  assert set(rows) == {"cublas_full_gemm_bf16", "gemm_loop", "epilogue_loop", "chunked"}
+  assert rows["epilogue_loop"]["bytes"] > 0 and all(r["time_s"] > 0 for r in rows.values())
+
+
+def test_fp8_levers_emulation_orders_the_levers(tmp_path):
+  rec = _run("fp8_levers", tmp_path)
+  by = {(r["data"].split(" T=")[0].split(" (")[0], r["lever"]): r for r in rec["quality"]}
+  for data in ("dit", "smollm2 layer 7", "smollm2 layer 22"):
+    bf16, fp8 = by[(data, "bf16 cudnn")], by[(data, "fp8 per-tensor")]
+    assert bf16["cos"] > 0.9999 and 0.99 < fp8["cos"] < bf16["cos"], (data, bf16, fp8)
+    # cos and relative error tell the same story (the output is descaled once, not twice)
+    assert fp8["rel_err"] < 0.2
+
+
+def test_probe_attention_8bit_matches_float32(tmp_path):
+  rows = {r["variant"]: r for r in _run("probe_attention_8bit", tmp_path)["rows"]}
+  assert rows["bf16"]["cos"] > 0.9999
+  for variant in ("i8qk", "i8qk_f8pv", "f8"):
+    assert 0.995 < rows[variant]["cos"] <= rows["bf16"]["cos"] + 1e-6, (variant, rows[variant])
