@@ -15,14 +15,11 @@ fraction)), and the bytes of K/V it reads per exact block. Writes
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
 import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from benchmarks import common
