@@ -1,11 +1,12 @@
 """Quality of dense attention over packed K/V against float32 attention (CPU-runnable).
 
 DiT-like data (``pallas_kernels.testing.dit_qkv``) with a conditioning prefix. For every
-K/V scheme pair and precision policy, the packed reference (format v1 dequantized,
-bf16 q) is compared with float32 attention on the unquantized q, k, v; the Pallas
-kernel (interpret mode) is run on a query subset to show it reproduces those numbers.
-Remedies that format v1 cannot store yet (finer groups, softmax-exact smoothing,
-symmetric vs asymmetric) are simulated with fake quantization.
+K/V scheme pair and precision policy, the packed reference (the format dequantized,
+version 2 since Dec 7; ``results/attention_quality.json`` was written with v1, bf16 q)
+is compared with float32 attention on the unquantized q, k, v; the Pallas kernel
+(interpret mode) is run on a query subset to show it reproduces those numbers.
+Remedies that format v1 could not store (finer groups, softmax-exact smoothing,
+symmetric vs asymmetric) are simulated with fake quantization (v1's float32 parameters).
 
   python -m benchmarks.attention_quality [--tokens 4096 --heads 4 --seeds 0]
 
