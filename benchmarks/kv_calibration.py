@@ -35,20 +35,20 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.kv_quality import REAL_LAYERS, SAMPLE  # noqa: E402
-from formats import packed_kv as fmt  # noqa: E402
-from formats.calibration import (UPGRADE, PrecisionPolicy, _attention, attention_cos, calibrate,  # noqa: E402
-                                 storage_roundtrip)
+from benchmarks.kv_quality import REAL_LAYERS, real_layers  # noqa: E402
+from formats.calibration import (UPGRADE, PrecisionPolicy, attention_cos, attention_f32, calibrate,  # noqa: E402
+                                 class_bits, report_key, storage_roundtrip)
 
 HELD_OUT_START = 4096
 
 
-def evaluate(policy: PrecisionPolicy, layers: dict) -> dict:
-  """Measured cos per layer with the policy's classes, median, worst, bits."""
+def evaluate(policy: PrecisionPolicy, layers: dict, refs: dict) -> dict:
+  """Measured cos per layer with the policy's classes (against ``refs``, each layer's
+  exact attention), median, worst, bits."""
   cos = {}
   for key, (q, k, v) in layers.items():
     kd, vd = storage_roundtrip(k, v, policy.block_classes(key))
-    cos[str(key)] = attention_cos(_attention(q, kd, vd), _attention(q, k, v))
+    cos[report_key(key)] = attention_cos(attention_f32(q, kd, vd), refs[key])
   vals = list(cos.values())
   return {"cos": cos, "median_cos": float(np.median(vals)), "worst_cos": float(min(vals)),
           "bits_per_value": policy.bits_per_value(1, 128)}
@@ -58,12 +58,11 @@ def uniform_policy(calibrated: PrecisionPolicy, keys, max_bits: float) -> Precis
   """The same int8 ranges in every layer, ranked by the calibration's gains summed over
   layers, as many as ``max_bits`` allows (the calibrated policy's own budget)."""
   rep = calibrated.report
-  gains = np.sum([rep["gains"][str(k)] for k in keys], axis=0)
+  gains = np.sum([rep["gains"][report_key(k)] for k in keys], axis=0)
   unit = rep["range_tokens"]
   t = calibrated.num_tokens
   spans = [(a, min(a + unit, t)) for a in range(0, t, unit)]
-  up = fmt.bits_per_value(fmt.PackedKVMeta(1, 1, 128, fmt.BLOCK, (fmt.CLASS_ID[UPGRADE],)))
-  base = fmt.bits_per_value(fmt.PackedKVMeta(1, 1, 128, fmt.BLOCK, (0,)))
+  up, base = class_bits(UPGRADE), class_bits("int4")
   budget = (max_bits - base) / (up - base) * t       # int8 tokens per layer
   chosen, used = [], 0
   for i in np.argsort(-gains):
@@ -85,13 +84,11 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   if args.sample:
-    z = np.load(SAMPLE)
-    names = sorted({int(k[1:]) for k in z.files})
-    get = lambda n, sl: tuple(z[f"{r}{n}"][sl].astype(np.float32) for r in "qkv")
-    half = z[f"q{names[0]}"].shape[0] // 2
-    calib = {n: get(n, slice(0, half)) for n in names}
-    held = {n: get(n, slice(half, 2 * half)) for n in names}
-    info = {"source": os.path.relpath(SAMPLE, ROOT), "calibrate_tokens": [0, half], "held_out_tokens": [half, 2 * half]}
+    layers, _, info = real_layers(0, (), True)
+    half = next(iter(layers.values()))[0].shape[0] // 2
+    calib = {n: tuple(a[:half] for a in qkv) for n, qkv in layers.items()}
+    held = {n: tuple(a[half:2 * half] for a in qkv) for n, qkv in layers.items()}
+    info |= {"calibrate_tokens": [0, half], "held_out_tokens": [half, 2 * half]}
   else:
     from benchmarks import real_activations
     t = args.tokens
@@ -106,11 +103,13 @@ def main(argv=None):
   all4 = PrecisionPolicy(t, {k: () for k in keys})
   all8 = PrecisionPolicy(t, {k: ((0, t),) for k in keys})
   uni = uniform_policy(pol, keys, args.max_bits)
+  refs = {where: {key: attention_f32(*qkv) for key, qkv in layers.items()}
+          for where, layers in (("calibration tokens", calib), ("held-out tokens", held))}
   rows = []
   for name, p in (("all int4 (default)", all4), (f"calibrated (max_bits {args.max_bits})", pol),
                   ("uniform, same bits", uni), ("all int8", all8)):
     for where, layers in (("calibration tokens", calib), ("held-out tokens", held)):
-      rows.append({"policy": name, "data": where, **evaluate(p, layers)})
+      rows.append({"policy": name, "data": where, **evaluate(p, layers, refs[where])})
   print(common.table(rows, [("policy", "policy", "{}"), ("data", "data", "{}"), ("bits", "bits_per_value", "{:.3f}"),
                             ("median cos", "median_cos", "{:.5f}"), ("worst cos", "worst_cos", "{:.5f}")]))
   out = args.out or os.path.join(common.RESULTS, f"kv_calibration_{'sample_' if args.sample else ''}"

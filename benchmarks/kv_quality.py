@@ -42,6 +42,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 import formats as fmt  # noqa: E402
+from formats.calibration import attention_f32  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 SAMPLE = os.path.join(ROOT, "benchmarks", "data", "smollm2_qkv_sample.npz")
@@ -53,23 +54,9 @@ REAL_ROPE_THETA = 1e5   # SmolLM2-135M's (the committed sample's positions are 0
 # --------------------------------------------------------------------------------------
 # Attention and metrics
 # --------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _attend_fn(scale):
-  import jax
-  import jax.numpy as jnp
-
-  @jax.jit
-  def attend(q, k, v):  # q (R, Hq, D), k/v (T, Hk, D): grouped heads, non-causal
-    rep = q.shape[1] // k.shape[1]
-    k, v = jnp.repeat(k, rep, 1), jnp.repeat(v, rep, 1)
-    s = jnp.einsum("qhd,khd->hqk", q, k, precision=jax.lax.Precision.HIGHEST) * scale
-    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v, precision=jax.lax.Precision.HIGHEST)
-  return attend
-
-
 def attention(q, k, v, chunk=512):
-  f = _attend_fn(float(q.shape[-1]) ** -0.5)
-  return np.concatenate([np.asarray(f(q[i:i + chunk], k, v)) for i in range(0, len(q), chunk)], 0)
+  """Non-causal float32 attention with grouped heads: the one ``formats.calibrate`` uses."""
+  return attention_f32(q, k, v, chunk)
 
 
 def metrics(out, ref) -> dict:

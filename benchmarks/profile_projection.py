@@ -36,17 +36,12 @@ CARD_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12}
 def epilogue_bytes(meta, rows: int, gemm_itemsize: int) -> int:
   """Least bytes one chunk's epilogue moves: the GEMM output in, Q and the packed
   arrays of ``rows`` tokens out (all-int4 storage)."""
+  import numpy as np
+
   from formats import packed_kv as fmt
   h, d = meta.heads, meta.head_dim
-  specs = fmt.buffer_specs(meta)
-  out_per_row = h * d * 2  # Q bf16
-  total_rows = meta.num_blocks * fmt.BLOCK
-  for name in fmt.ARRAY_NAMES:
-    shape, dtype = specs[name]
-    n = 1
-    for s in shape:
-      n *= s
-    out_per_row += n * __import__("numpy").dtype(dtype).itemsize / total_rows
+  packed = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in fmt.buffer_specs(meta).values())
+  out_per_row = h * d * 2 + packed / (meta.num_blocks * fmt.BLOCK)  # Q bf16, then the PackedKV
   return int(rows * (3 * h * d * gemm_itemsize + out_per_row))
 
 
@@ -57,7 +52,6 @@ def run_tokens(args, tokens, rows_out):
 
   from benchmarks.bench_streamed_qkv import make_inputs
   from formats import packed_kv as fmt
-  from pallas_kernels import projection
   from pallas_kernels.projection import ProjectionTuning, check_inputs, chunk_rows, streamed_qkv
   from pallas_kernels.projection_ops import epilogue_constants
   from pallas_kernels.qkv_epilogue import empty_buffers, epilogue_call
@@ -119,7 +113,6 @@ def run_tokens(args, tokens, rows_out):
         rows_out.append(base | {"part": "chunked", "num_warps": warps, "time_s": t_all,
                                 "vs_full_gemm": t_all / t_full,
                                 "gemm_plus_epilogue_s": t_gemm + t_epi})
-  del projection
 
 
 def main(argv=None):

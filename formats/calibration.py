@@ -34,7 +34,8 @@ import numpy as np
 
 from formats import packed_kv as fmt
 
-__all__ = ["PrecisionPolicy", "calibrate", "attention_cos", "storage_roundtrip"]
+__all__ = ["PrecisionPolicy", "attention_cos", "attention_f32", "calibrate", "class_bits", "report_key",
+           "storage_roundtrip"]
 
 UPGRADE = "int8"
 
@@ -42,7 +43,9 @@ UPGRADE = "int8"
 # --------------------------------------------------------------------------------------
 # The policy: data the layer and the module accept
 # --------------------------------------------------------------------------------------
-def _key_str(key) -> str:
+def report_key(key) -> str:
+  """A calibration key as the report's and the JSON's string key (layer 3 -> "3",
+  (3, 0.5) -> "[3, 0.5]")."""
   return json.dumps(key if not isinstance(key, tuple) else list(key))
 
 
@@ -81,7 +84,7 @@ class PrecisionPolicy:
 
   def to_json(self) -> str:
     return json.dumps({"num_tokens": self.num_tokens,
-                       "ranges": {_key_str(k): [list(r) for r in v] for k, v in self.ranges.items()},
+                       "ranges": {report_key(k): [list(r) for r in v] for k, v in self.ranges.items()},
                        "report": dict(self.report)})
 
   @staticmethod
@@ -104,7 +107,10 @@ def _attend(q, k, v):
   return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v, precision=jax.lax.Precision.HIGHEST)
 
 
-def _attention(q, k, v, chunk=512):
+def attention_f32(q, k, v, chunk=512):
+  """Non-causal float32 attention of (T, Hq, D) q over (T, Hk, D) k, v (grouped heads),
+  in query chunks of ``chunk`` rows: the measure calibration and the quality
+  benchmarks share."""
   return np.concatenate([np.asarray(_attend(q[i:i + chunk], k, v)) for i in range(0, q.shape[0], chunk)], 0)
 
 
@@ -146,8 +152,9 @@ def _check_sample(key, sample):
 # --------------------------------------------------------------------------------------
 # Calibration
 # --------------------------------------------------------------------------------------
-def _bits(cls: str, d: int) -> float:
-  return fmt.bits_per_value(fmt.PackedKVMeta(1, 1, d, fmt.BLOCK, (fmt.CLASS_ID[cls],)))
+def class_bits(cls: str, head_dim: int = 128) -> float:
+  """Stored bits per K/V value of one precision class at ``head_dim`` (format v2)."""
+  return fmt.bits_per_value(fmt.PackedKVMeta(1, 1, head_dim, fmt.BLOCK, (fmt.CLASS_ID[cls],)))
 
 
 def calibrate(samples: Mapping[Hashable, tuple], *, max_bits: float = 5.25, target_cos: float | None = None,
@@ -175,7 +182,7 @@ def calibrate(samples: Mapping[Hashable, tuple], *, max_bits: float = 5.25, targ
   d = next(iter(data.values()))[1].shape[2] if bits_head_dim is None else int(bits_head_dim)
   if d not in fmt.SUPPORTED_HEAD_DIMS:
     raise ValueError(f"bits_head_dim {d} is not one of {fmt.SUPPORTED_HEAD_DIMS}")
-  base_bits, up_bits = _bits("int4", d), _bits(UPGRADE, d)
+  base_bits, up_bits = class_bits("int4", d), class_bits(UPGRADE, d)
   if max_bits < base_bits:
     raise ValueError(f"max_bits={max_bits} is below the int4 class's {base_bits:.3f} bits per value")
   if range_blocks < 1:
@@ -186,13 +193,13 @@ def calibrate(samples: Mapping[Hashable, tuple], *, max_bits: float = 5.25, targ
   refs, err4, gains = {}, {}, {}
   all4 = fmt.resolve_block_classes(t)
   for key, (q, k, v) in data.items():
-    refs[key] = _attention(q, k, v)
+    refs[key] = attention_f32(q, k, v)
     kd, vd = storage_roundtrip(k, v, all4)
-    err4[key] = 1.0 - attention_cos(_attention(q, kd, vd), refs[key])
+    err4[key] = 1.0 - attention_cos(attention_f32(q, kd, vd), refs[key])
     g = []
     for a, b in spans:
       kd, vd = storage_roundtrip(k, v, fmt.resolve_block_classes(t, [(a, b, UPGRADE)]))
-      g.append(err4[key] - (1.0 - attention_cos(_attention(q, kd, vd), refs[key])))
+      g.append(err4[key] - (1.0 - attention_cos(attention_f32(q, kd, vd), refs[key])))
     gains[key] = np.asarray(g)
 
   # Greedy: the key with the worst estimated cos takes its best remaining range per bit.
@@ -228,13 +235,11 @@ def calibrate(samples: Mapping[Hashable, tuple], *, max_bits: float = 5.25, targ
   measured = {}
   for key, (q, k, v) in data.items():
     kd, vd = storage_roundtrip(k, v, policy.block_classes(key))
-    measured[_key_str(key)] = attention_cos(_attention(q, kd, vd), refs[key])
+    measured[report_key(key)] = attention_cos(attention_f32(q, kd, vd), refs[key])
   report = {"tokens": t, "max_bits": max_bits, "bits_head_dim": d, "target_cos": target_cos,
             "range_tokens": range_blocks * fmt.BLOCK,
-            "cos_all_int4": {_key_str(k): 1.0 - e for k, e in err4.items()},
+            "cos_all_int4": {report_key(k): 1.0 - e for k, e in err4.items()},
             "cos_policy": measured,
-            "bits_per_value": float(np.mean([fmt.bits_per_value(fmt.PackedKVMeta(1, 1, d, t,
-                                                                               policy.block_classes(k)))
-                                             for k in keys])),
-            "gains": {_key_str(k): [float(x) for x in g] for k, g in gains.items()}}
+            "bits_per_value": policy.bits_per_value(1, d),
+            "gains": {report_key(k): [float(x) for x in g] for k, g in gains.items()}}
   return PrecisionPolicy(t, ranges, report)

@@ -260,9 +260,9 @@ def _pooled_keys(packed, lengths, unrotation):
   km = packed.k_mean  # stored bf16; the kernel reads it as is, the sums below in f32
   if lengths is not None:
     km = km.astype(jnp.float32) * (jnp.asarray(rows) / lengths.astype(jnp.float32))[None, None, :, None]
-  kg = km.astype(jnp.float32).mean(axis=2)
-  kcc_caller = jnp.einsum("bhnd,de->bhne", km.astype(jnp.float32) - kg[:, :, None], unrotation,
-                          precision=lax.Precision.HIGHEST)
+  km32 = km.astype(jnp.float32)
+  kg = km32.mean(axis=2)
+  kcc_caller = jnp.einsum("bhnd,de->bhne", km32 - kg[:, :, None], unrotation, precision=lax.Precision.HIGHEST)
   kvar = jnp.square(kcc_caller).mean(axis=2)
   return km, kg, kvar
 

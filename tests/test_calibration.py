@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from formats import packed_kv as fmt
-from formats.calibration import PrecisionPolicy, attention_cos, calibrate, storage_roundtrip
+from formats.calibration import PrecisionPolicy, attention_cos, attention_f32, calibrate, storage_roundtrip
 
 T, H, D = 512, 2, 64
 
@@ -43,9 +43,8 @@ def test_budget_worst_layer_first_and_measured(samples):
   assert any(a < 256 and b > 128 for a, b in pol.ranges[1])
   # Measured again independently: the report's cos is the policy's.
   q, k, v = samples[1]
-  from formats.calibration import _attention
   kd, vd = storage_roundtrip(k, v, pol.block_classes(1))
-  assert abs(attention_cos(_attention(q, kd, vd), _attention(q, k, v)) - cp["1"]) < 1e-9
+  assert abs(attention_cos(attention_f32(q, kd, vd), attention_f32(q, k, v)) - cp["1"]) < 1e-9
 
 
 def test_no_budget_no_upgrade_and_target_stops_early(samples):
