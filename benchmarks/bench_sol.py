@@ -194,8 +194,10 @@ def main(argv=None):
   ap.add_argument("--quality-rows", type=int, default=512)
   ap.add_argument("--configs", default=None, help="JSON list of Sol kwargs (sink_blocks may be \"prefix\")")
   ap.add_argument("--max-exact", type=int, default=None, help="routed-list capacity (default: Sol's)")
-  ap.add_argument("--methods", default="fused,streamed",
-                  help="Sol methods timed for every setting (streamed: head groups decoded to bf16 first)")
+  ap.add_argument("--methods", default="fused,streamed,streamed_int8",
+                  help="Sol methods timed for every setting (streamed*: head groups decoded first)")
+  ap.add_argument("--launch", default="4x2",
+                  help="warps x stages of the streamed methods' kernel, comma-separated (a sweep)")
   ap.add_argument("--skip-dense", action="store_true", help="skip our dense packed path")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
@@ -213,7 +215,10 @@ def main(argv=None):
   configs = json.loads(args.configs) if args.configs else list(DEFAULT_CONFIGS)
   if args.cpu_smoke and not args.configs:
     configs = configs[1:2]
-  configs = [dict(c, method=m) if m != "fused" else dict(c) for c in configs for m in args.methods.split(",")]
+  launches = [tuple(int(x) for x in l.split("x")) for l in args.launch.split(",")]
+  configs = [dict(c) if m == "fused" else dict(c, method=m, num_warps=w, num_stages=st)
+             for c in configs for m in args.methods.split(",")
+             for w, st in (((4, 2),) if m == "fused" else launches)]
 
   # Imported after the platform choice so nothing touches a GPU in smoke mode.
   from pallas_kernels import attention as dense
@@ -290,7 +295,7 @@ def main(argv=None):
       kw.setdefault("max_exact", args.max_exact)
     name = "sol " + ",".join(f"{k}={v}" for k, v in kw.items())
     route = jax.jit(lambda a, p, kw=kw: sol.sol_routing(a, p, **{k: v for k, v in kw.items()
-                                                                 if k not in ("tail", "method")}))
+                                                                 if k not in ("tail", "method", "num_warps", "num_stages")}))
     routing, r_first, r_med, r_times = timed(route, q_rot, packed, runs=args.runs)
     sinks = tuple(min(x, nb) for x in kw.get("sink_blocks", (0, 0)))
     stats = routing_stats(routing, sinks, tuple(min(x, nb) for x in kw.get("sink_q", (0, 0))), nb)
@@ -306,9 +311,9 @@ def main(argv=None):
     if not args.skip_dense:
       stats["vs_dense_packed"] = quality(np.asarray(pick(out)), dense_rows)
     ours = report(name, out, first, med, times, fraction=stats["exact_block_fraction_mean"], extra=stats)
-    setting = tuple(sorted((k, str(v)) for k, v in kw.items() if k != "method"))
+    setting = tuple(sorted((k, str(v)) for k, v in kw.items() if k not in ("method", "num_warps", "num_stages")))
     if peer is not None and setting not in peer_runs:  # the peer once per setting
-      p_kw = {k: v for k, v in kw.items() if k not in ("max_exact", "method")}
+      p_kw = {k: v for k, v in kw.items() if k not in ("max_exact", "method", "num_warps", "num_stages")}
       p_out, p_first, p_med, p_times = peer(p_kw, args.runs)
       peer_runs[setting] = (p_med, report("comfy " + name, p_out, p_first, p_med, p_times)["cos"])
       del p_out

@@ -113,3 +113,13 @@ def int8_to_bf16(codes):
   ``0x4B000000 | c`` is the f32 number 2^23 + c."""
   word = codes.astype(jnp.uint32) | jnp.uint32(0x4B000000)
   return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16)
+
+
+def quantize_rows_int8(x):
+  """(rows, D) f32 -> (int8 codes, (rows,) f32 scales = absmax / 127), codes rounded half
+  away from zero; an all-zero row gets scale 0. The one rule for 8-bit Q and K: Sol's
+  kernel applies it to its Q tile, ``kv_dequant`` (``store="int8_k"``) to K."""
+  amax = jnp.abs(x).max(-1)
+  inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+  c = x * inv[..., None]
+  return jnp.where(c >= 0, c + 0.5, c - 0.5).astype(jnp.int32).astype(jnp.int8), amax * (1.0 / 127.0)

@@ -20,10 +20,15 @@ Kernel layout
   slot, one ``pl.when`` branch per class that has blocks. Every class (int4, int8,
   bf16) and every K/V scheme decodes here, the ragged last block included (its rows
   past T are not stored).
-* Outputs are (B, T, g, D) bf16 (cuDNN's BTNH layout, ``layout="bthd"``) or
-  (B, g, NB * 64, D) (the format's bf16 store, one slot per block, ``layout="bhtd"``);
-  either way each (batch row, head) is a whole (rows, D) view written with masked row
-  stores (store rows past T are left unwritten: readers mask them).
+* Outputs are (B, T, g, D) bf16 (cuDNN's BTNH layout, ``layout="bthd"``), written
+  with masked row stores, or (B, g, NB * 64, D) (one 64-row slot per block,
+  ``layout="bhtd"``: what Sol's exact loop reads), whose rows past T are written as
+  zeros so a reader may load whole tiles without masks and stay NaN-free.
+* ``store="int8_k"`` (``bhtd`` only) writes K for 8-bit Q.K dots: ``k - center``
+  (``center`` (B, H, D) f32, Sol's global key mean, which shifts every logit of a
+  row by one constant, so softmax is unchanged while K's channel offsets leave the
+  8-bit range) as int8 codes with one f32 scale per token (absmax / 127, rounded
+  half away from zero), V in bf16 as always.
 * ``unrotate_v``: V is multiplied by ``R_v^T`` before it is rounded, so attention's
   output ``P (V R_v^T) = (P V) R_v^T`` comes out un-rotated with no pass over it.
 * Everything works on the two channel halves of the format's split-half packing
@@ -42,7 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import INT4_OFFSET, NamedInputs, int4_halves, int8_to_bf16, unrotate_halves
+from pallas_kernels.backend import (INT4_OFFSET, NamedInputs, int4_halves, int8_to_bf16, quantize_rows_int8,
+                                    unrotate_halves)
 
 BLOCK = fmt.BLOCK
 
@@ -58,7 +64,22 @@ def dequantize_group_reference(packed: fmt.PackedKV, head0: int, heads: int, *, 
   return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
 
 
-def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v):
+def dequantize_group_int8_k_reference(packed: fmt.PackedKV, head0: int, heads: int, center, *, unrotate_v: bool):
+  """``store="int8_k"``'s definition: (K codes (B, heads, NB*64, D) int8, K scales
+  (B, heads, NB*64) f32, V (B, heads, NB*64, D) bf16), rows past T zero."""
+  k, v = fmt.dequantize_reference(packed)
+  b, t, _, d = k.shape
+  pad = packed.meta.num_blocks * BLOCK - t
+  k = k[:, :, head0:head0 + heads] - jnp.asarray(center, jnp.float32)[:, None, head0:head0 + heads]
+  codes, scale = quantize_rows_int8(jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3))
+  live = (jnp.arange(t + pad) < t)
+  codes, scale = jnp.where(live[:, None], codes, 0), jnp.where(live, scale, 0.0)
+  _, v = dequantize_group_reference(packed, head0, heads, unrotate_v=unrotate_v)
+  v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  return codes.astype(jnp.int8), scale, v
+
+
+def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, store):
   r = dict(zip(names, refs))
   d = meta.head_dim
   dh = d // 2
@@ -99,30 +120,55 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v):
     return c_lo * s_lo + z_lo, c_hi * s_hi + z_hi
 
   m = valid[:, None]
+
+  def write(ref, lo, hi):
+    if layout == "bthd":  # rows past T are not in the output
+      plgpu.store(ref.at[out_rows, lo_c], lo, mask=m)
+      plgpu.store(ref.at[out_rows, hi_c], hi, mask=m)
+    else:                 # the slot is whole: rows past T become zeros
+      ref[out_rows, lo_c] = jnp.where(m, lo, jnp.zeros_like(lo))
+      ref[out_rows, hi_c] = jnp.where(m, hi, jnp.zeros_like(hi))
+
   for role in ("k", "v"):
-    out = r[role + "_out"]
     for cls in present:
       @pl.when(cls_id == fmt.CLASS_ID[cls])
-      def _(cls=cls, role=role, out=out):
+      def _(cls=cls, role=role):
         lo, hi = decoded(role, cls)
+        if role == "k" and store == "int8_k":
+          # Triton cannot slice a loaded value, so the row absmax of quantize_k_int8
+          # is taken over the two halves.
+          lo, hi = lo - r["center"][h, lo_c][None, :], hi - r["center"][h, hi_c][None, :]
+          amax = jnp.maximum(jnp.abs(lo).max(-1), jnp.abs(hi).max(-1))
+          inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)[:, None]
+          code = lambda x: jnp.where(x >= 0, x + 0.5, x - 0.5).astype(jnp.int32).astype(jnp.int8)
+          write(r["k_out"], code(lo * inv), code(hi * inv))
+          r["k_scale_out"][out_rows] = jnp.where(valid, amax * (1.0 / 127.0), 0.0)
+          return
         if role == "v" and unrotate_v:
           lo, hi = unrotate_halves(lo, hi, r["ht"], lo_c, hi_c, d)
-        plgpu.store(out.at[out_rows, lo_c], lo.astype(jnp.bfloat16), mask=m)
-        plgpu.store(out.at[out_rows, hi_c], hi.astype(jnp.bfloat16), mask=m)
+        write(r[role + "_out"], lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16))
 
 
 LAYOUTS = ("bthd", "bhtd")
+STORES = ("bf16", "int8_k")
 
 
 def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: bool, interpret: bool,
-                     num_warps: int = 4, layout: str = "bthd"):
+                     num_warps: int = 4, layout: str = "bthd", store: str = "bf16", center=None):
   """(K, V) of heads ``[head0, head0 + heads)``: (B, T, heads, D) bf16 each, or with
   ``layout="bhtd"`` (B, heads, NB * 64, D), the rows of block ``b`` at ``b * 64``.
+  ``store="int8_k"`` (``bhtd`` only, ``center`` (B, H, D) f32 required): (K codes
+  int8, K scales (B, heads, NB * 64) f32, V bf16), as
+  ``dequantize_group_int8_k_reference`` defines.
 
   ``head0``: a Python int or a traced int32 scalar (the group loop's index).
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if store not in STORES:
+    raise ValueError(f"store must be one of {STORES}, got {store!r}")
+  if store == "int8_k" and (layout != "bhtd" or center is None):
+    raise ValueError("store='int8_k' needs layout='bhtd' and center=(B, H, D) float32 (Sol's k_global)")
   meta = packed.meta
   b, t, d = meta.batch, meta.num_tokens, meta.head_dim
   present = tuple(c for c in fmt.CLASSES if meta.slots(c))
@@ -142,6 +188,11 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
         inputs.add_spec(name, packed.arrays[name], per_batch(packed.arrays[name]))
   if unrotate_v:
     inputs.add_whole("ht", jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16))
+  if store == "int8_k":
+    center = jnp.asarray(center, jnp.float32)
+    if center.shape != (b, meta.heads, d):
+      raise ValueError(f"center must be (B, H, D) = {(b, meta.heads, d)}, got {tuple(center.shape)}")
+    inputs.add_spec("center", center, per_batch(center))
   if layout == "bthd":
     out_spec = pl.BlockSpec((None, t, None, d), lambda j, blk, bi: (bi, 0, j, 0))
     shape = jax.ShapeDtypeStruct((b, t, heads, d), jnp.bfloat16)
@@ -149,13 +200,19 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
     rows = meta.num_blocks * BLOCK
     out_spec = pl.BlockSpec((None, None, rows, d), lambda j, blk, bi: (bi, j, 0, 0))
     shape = jax.ShapeDtypeStruct((b, heads, rows, d), jnp.bfloat16)
+  names, out_specs, out_shapes = ("k_out", "v_out"), [out_spec, out_spec], [shape, shape]
+  if store == "int8_k":
+    names = ("k_out", "k_scale_out", "v_out")
+    out_specs = [out_spec, pl.BlockSpec((None, None, rows), lambda j, blk, bi: (bi, j, 0)), out_spec]
+    out_shapes = [jax.ShapeDtypeStruct(shape.shape, jnp.int8), jax.ShapeDtypeStruct((b, heads, rows), jnp.float32),
+                  shape]
   return pl.pallas_call(
-      functools.partial(_kernel, names=inputs.ref_names("k_out", "v_out"), meta=meta, present=present,
-                        unrotate_v=unrotate_v),
+      functools.partial(_kernel, names=inputs.ref_names(*names), meta=meta, present=present,
+                        unrotate_v=unrotate_v, layout=layout, store=store),
       grid=(heads, meta.num_blocks, b),
       in_specs=inputs.specs,
-      out_specs=[out_spec, out_spec],
-      out_shape=[shape, shape],
+      out_specs=out_specs,
+      out_shape=out_shapes,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="kv_dequant",

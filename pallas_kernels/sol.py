@@ -122,6 +122,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
+from pallas_kernels import sol_decoded
 from pallas_kernels.kv_dequant import dequantize_group
 from pallas_kernels.backend import dot as _dot
 from pallas_kernels.backend import (INT4_OFFSET, LOG2E, M_INIT, NamedInputs, int4_halves, int8_to_bf16, resolve_interpret,
@@ -133,7 +134,10 @@ BLOCK = fmt.BLOCK
 DEFAULT_MAX_EXACT_TAU = 1024
 # Budget for one chunk of the (B, H, chunk, NB) proxy-score matrix in routing.
 DEFAULT_ROUTE_CHUNK_BYTES = 32 << 20
-METHODS = ("fused", "streamed")
+# fused: the kernel below decodes packed tiles in its loop. streamed / streamed_int8:
+# head groups decoded first, then sol_decoded's kernel (bf16 / int8 Q.K dots).
+METHODS = ("fused", "streamed", "streamed_int8")
+_STREAMED_QK = {"streamed": "bf16", "streamed_int8": "int8"}
 # The streamed method's bound on one head group's bf16 K/V stores, q slice and output.
 DEFAULT_SCRATCH_BYTES = 512 << 20
 
@@ -788,46 +792,51 @@ def _sol_impl(q, packed, routing: SolRouting, key_bias, block_len, plan: _Plan, 
   )(*inputs.args)
 
 
-def streamed_head_bytes(batch: int, tokens: int, head_dim: int) -> int:
-  """Scratch of one head in the streamed method: its bf16 K and V stores (64-token
-  slots), its q slice and its output."""
-  return batch * (2 * -(-tokens // BLOCK) * BLOCK + 2 * tokens) * head_dim * 2
+def streamed_head_bytes(batch: int, tokens: int, head_dim: int, qk: str = "bf16") -> int:
+  """Scratch of one head in the streamed methods: its decoded K store (bf16, or int8
+  codes and an f32 scale per row under ``qk="int8"``) and bf16 V store (64-token slots),
+  its f32 V sums, its q slice and its output."""
+  rows = -(-tokens // BLOCK) * BLOCK
+  k_row = head_dim + 4 if qk == "int8" else 2 * head_dim
+  return batch * (rows * (k_row + 2 * head_dim) + (rows // BLOCK) * head_dim * 4 + 2 * tokens * head_dim * 2)
 
 
-def streamed_group(batch: int, tokens: int, heads: int, head_dim: int, scratch_bytes: int) -> int:
-  """Heads per group of the streamed method within ``scratch_bytes`` (0: not one head)."""
-  return int(min(heads, int(scratch_bytes) // streamed_head_bytes(batch, tokens, head_dim)))
-
-
-def _group_view(packed: fmt.PackedKV, routing: SolRouting, h0, heads: int, k_store, v_store):
-  """Heads [h0, h0 + heads) as a PackedKV whose every block is bf16 (the decoded stores)
-  and their routing: what the kernel reads with no decode in its inner loop."""
-  meta = packed.meta
-  gmeta = fmt.PackedKVMeta(meta.batch, heads, meta.head_dim, meta.num_tokens,
-                           (fmt.CLASS_ID["bf16"],) * meta.num_blocks, meta.k_scheme, meta.v_scheme,
-                           meta.rotation_seed_k, meta.rotation_seed_v)
-  take = lambda a: lax.dynamic_slice_in_dim(a, h0, heads, axis=1)
-  arrays = {n: jnp.zeros(shape, dt) for n, (shape, dt) in fmt.buffer_specs(gmeta).items()}  # empty stores
-  arrays.update(k_bf16=k_store, v_bf16=v_store, k_mean=take(packed.k_mean), v_sum=take(packed.v_sum))
-  view = SolRouting(take(routing.blocks), take(routing.counts), take(routing.dropped), take(routing.centroid),
-                    take(routing.k_global), take(routing.k_mean), routing.k_mean_is_new)
-  return fmt.PackedKV(gmeta, arrays), view
+def streamed_group(batch: int, tokens: int, heads: int, head_dim: int, scratch_bytes: int, qk: str = "bf16") -> int:
+  """Heads per group of the streamed methods within ``scratch_bytes`` (0: not one head)."""
+  return int(min(heads, int(scratch_bytes) // streamed_head_bytes(batch, tokens, head_dim, qk)))
 
 
 def _sol_streamed(q, packed, routing, key_bias, block_len, plan: _Plan, *, keep_rotated, interpret, num_warps,
-                  num_stages, group, overwrite_q):
-  """Per head group: decode its K/V into bf16 stores (``kv_dequant``), run the kernel over
-  them (its bf16 branch: no decode in the exact loop), write the group's output."""
+                  num_stages, group, overwrite_q, qk):
+  """Per head group: decode its K/V into stores (``kv_dequant``: bf16 K, or int8 K - kg
+  for ``qk="int8"``; V un-rotated unless ``keep_rotated``), run ``sol_decoded``'s kernel
+  over them (no decode in its loops), write the group's output."""
+  meta = packed.meta
   b, t, h, d = q.shape
   out = q if overwrite_q else jnp.zeros_like(q)
+  cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=t, num_blocks=plan.num_blocks, qk_scale=plan.log2_scale,
+                               sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk,
+                               has_key_bias=key_bias is not None, has_block_len=block_len is not None)
+  kb = normalize_key_bias(key_bias, b, t) * LOG2E if key_bias is not None else None
+  lengths = block_lengths(t, block_len) if block_len is not None else None
+  r_v = None if keep_rotated else jnp.asarray(fmt.hadamard_rotation(d, meta.rotation_seed_v))
 
   def attend(h0, g, out):
-    k, v = dequantize_group(packed, h0, g, unrotate_v=False, interpret=interpret, layout="bhtd")
-    gp, gr = _group_view(packed, routing, h0, g, k, v)
+    take = lambda a: lax.dynamic_slice_in_dim(a, h0, g, axis=1)
+    if qk == "int8":
+      k, k_scale, v = dequantize_group(packed, h0, g, unrotate_v=not keep_rotated, interpret=interpret,
+                                       layout="bhtd", store="int8_k", center=routing.k_global)
+    else:
+      (k, v), k_scale = dequantize_group(packed, h0, g, unrotate_v=not keep_rotated, interpret=interpret,
+                                         layout="bhtd"), None
+    v_sum = take(packed.v_sum).astype(jnp.float32)
+    if r_v is not None:  # the pooled values in the basis the decoded V has
+      v_sum = jnp.einsum("bhnd,ed->bhne", v_sum, r_v, precision=lax.Precision.HIGHEST)
     # With overwrite_q these q heads are read here, before the same heads are overwritten.
     qg = lax.dynamic_slice(out if overwrite_q else q, (0, 0, h0, 0), (b, t, g, d))
-    og = _sol_impl(qg, gp, gr, key_bias, block_len, plan, keep_rotated=keep_rotated, interpret=interpret,
-                   num_warps=num_warps, num_stages=num_stages)
+    og = sol_decoded.sol_over_stores(qg, k, k_scale, v, v_sum, take(routing.k_global), take(routing.blocks),
+                                     take(routing.counts), take(routing.centroid), take(routing.k_mean), kb,
+                                     lengths, cfg, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     return lax.dynamic_update_slice(out, og, (0, 0, h0, 0))
 
   n, rem = divmod(h, group)
@@ -838,19 +847,19 @@ def _sol_streamed(q, packed, routing, key_bias, block_len, plan: _Plan, *, keep_
 
 
 def _sol_call(q, packed, routing, key_bias, block_len, *, plan, keep_rotated, interpret, num_warps, num_stages,
-              chunk_bytes, overwrite_q, group):
+              chunk_bytes, overwrite_q, group, qk):
   if routing is None:  # XLA orders this read of q before the kernel that may overwrite it
     routing = _routing_impl(q, packed, block_len, plan, chunk_bytes)
   if group:
     return _sol_streamed(q, packed, routing, key_bias, block_len, plan, keep_rotated=keep_rotated,
                          interpret=interpret, num_warps=num_warps, num_stages=num_stages, group=group,
-                         overwrite_q=overwrite_q)
+                         overwrite_q=overwrite_q, qk=qk)
   return _sol_impl(q, packed, routing, key_bias, block_len, plan, keep_rotated=keep_rotated,
                    interpret=interpret, num_warps=num_warps, num_stages=num_stages, overwrite_q=overwrite_q)
 
 
 _SOL_STATIC = ("plan", "keep_rotated", "interpret", "num_warps", "num_stages", "chunk_bytes", "overwrite_q",
-               "group")
+               "group", "qk")
 _sol_jit = jax.jit(_sol_call, static_argnames=_SOL_STATIC)
 # q donated: at top level its buffer becomes the output instead of being copied.
 _sol_jit_donate_q = jax.jit(_sol_call, static_argnames=_SOL_STATIC, donate_argnums=(0,))
@@ -892,15 +901,15 @@ def sol_attention(q, packed, *, tau=1.0, sm_scale=None, sink_blocks=None, sink_q
       raise ValueError(f"routing is for (B, H, NB) = {tuple(routing.counts.shape)}, this call needs {want}")
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  group = 0
-  if method == "streamed":
+  group, qk = 0, _STREAMED_QK.get(method, "bf16")
+  if method in _STREAMED_QK:
     b, t, h, d = q.shape
-    group = streamed_group(b, t, h, d, scratch_bytes)
+    group = streamed_group(b, t, h, d, scratch_bytes, qk)
     if group < 1:
-      need = streamed_head_bytes(b, t, d)
+      need = streamed_head_bytes(b, t, d, qk)
       raise ValueError(f"scratch_bytes={scratch_bytes} holds less than one head's bf16 K/V stores, q slice and "
                        f"output ({need} bytes at T={t}); raise it or use method='fused' (no scratch)")
   call = _sol_jit_donate_q if overwrite_q else _sol_jit
   return call(q, packed, routing, key_bias, block_len, plan=plan, keep_rotated=bool(keep_rotated),
               interpret=resolve_interpret(interpret), num_warps=int(num_warps), num_stages=int(num_stages),
-              chunk_bytes=int(route_chunk_bytes), overwrite_q=bool(overwrite_q), group=group)
+              chunk_bytes=int(route_chunk_bytes), overwrite_q=bool(overwrite_q), group=group, qk=qk)

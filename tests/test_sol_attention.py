@@ -16,6 +16,8 @@ from pallas_kernels.testing import dit_qkv, quality
 from formats import packed_kv as fmt
 from pallas_kernels import attention as dense
 from pallas_kernels import sol as sol
+from pallas_kernels import sol_decoded
+from pallas_kernels.kv_dequant import dequantize_group_int8_k_reference, dequantize_group_reference
 
 H = 2
 _quantize = jax.jit(fmt.quantize_reference, static_argnums=2)
@@ -99,30 +101,89 @@ def test_kernel_matches_reference(name):
   _check(out, ref, live)
 
 
+STREAMED = ("streamed", "streamed_int8")
+
+
+@pytest.mark.parametrize("method", STREAMED)
 @pytest.mark.parametrize("name", ["mixed_d128_g64_tau05", "key_bias_d64", "no_tail_sink_q", "block_len"])
-def test_streamed_method_matches_fused_and_reference(name):
-  """method='streamed': head groups decoded to bf16 stores first, the exact loop on bf16
-  tiles. One head per group here (a budget of one head's scratch): the group loop and
-  the per-group slices of q, the stats and the routing all run."""
+def test_streamed_methods_match_fused_and_reference(name, method):
+  """method='streamed*': head groups decoded to stores first, then the kernel over them
+  (bf16 or int8 Q.K). One head per group here (a budget of one head's scratch): the
+  group loop and the per-group slices of q, the stats and the routing all run."""
   q, packed, kw, live = _case_inputs(name)
   b, t, h, d = q.shape
-  one_head = sol.streamed_head_bytes(b, t, d)
-  assert sol.streamed_group(b, t, h, d, one_head) == 1
+  qk = "int8" if method == "streamed_int8" else "bf16"
+  one_head = sol.streamed_head_bytes(b, t, d, qk)
+  assert sol.streamed_group(b, t, h, d, one_head, qk) == 1
   fused = sol.sol_attention(q, packed, **kw)
-  streamed = sol.sol_attention(q, packed, method="streamed", scratch_bytes=one_head, **kw)
+  streamed = sol.sol_attention(q, packed, method=method, scratch_bytes=one_head, **kw)
   assert streamed.shape == fused.shape and streamed.dtype == jnp.bfloat16
   _check(streamed, sol.sol_attention_reference(q, packed, **kw), live)
-  qual = _check(streamed, fused, live, cos=0.9999)
-  assert qual["rel_l2"] < 1e-2, qual
+  # int8 Q.K adds its own rounding (measured ~1e-2 rel_l2 against the fused kernel here).
+  qual = _check(streamed, fused, live, cos=0.9999 if qk == "bf16" else 0.9997)
+  assert qual["rel_l2"] < (1e-2 if qk == "bf16" else 2.5e-2), qual
   # Every head in one group, and the output over q: the same values, up to one bf16 ulp
   # (XLA fuses the f32 routing sums over the bf16 block stats differently per group shape).
   q_copy = jnp.array(q, copy=True)
-  whole = sol.sol_attention(q_copy, packed, method="streamed", overwrite_q=True, **kw)
+  whole = sol.sol_attention(q_copy, packed, method=method, overwrite_q=True, **kw)
   np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(streamed, np.float32), rtol=2 ** -7, atol=0)
   with pytest.raises(ValueError, match="use method='fused'"):
-    sol.sol_attention(q, packed, method="streamed", scratch_bytes=one_head - 1, **kw)
+    sol.sol_attention(q, packed, method=method, scratch_bytes=one_head - 1, **kw)
   with pytest.raises(ValueError, match="method must be one of"):
     sol.sol_attention(q, packed, method="cudnn", **kw)
+
+
+def _group_stores(q, packed, kw, qk, head0=0, heads=H):
+  """The kernel-over-stores inputs of one head group, built with the decoder's references."""
+  plan = sol._plan(q, packed, tau=kw.get("tau", 1.0), sm_scale=None, sink_blocks=kw.get("sink_blocks"),
+                   sink_q=kw.get("sink_q"), topk_ratio=kw.get("topk_ratio", 0.0), tail=kw.get("tail", True),
+                   max_exact=None)
+  routing = sol.sol_routing(q, packed, **{k: v for k, v in kw.items() if k not in ("tail", "key_bias")})
+  d = q.shape[-1]
+  pad = plan.num_blocks * fmt.BLOCK - plan.num_tokens
+  if qk == "int8":
+    k, k_scale, v = dequantize_group_int8_k_reference(packed, head0, heads, routing.k_global, unrotate_v=True)
+  else:
+    k, v = dequantize_group_reference(packed, head0, heads, unrotate_v=True)
+    k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (k, v))
+    k_scale = None
+  sl = lambda a: a[:, head0:head0 + heads]
+  r_v = jnp.asarray(fmt.hadamard_rotation(d, packed.meta.rotation_seed_v))
+  v_sum = jnp.einsum("bhnd,ed->bhne", sl(packed.v_sum).astype(jnp.float32), r_v)
+  kb = kw.get("key_bias")
+  kb = None if kb is None else sol.normalize_key_bias(kb, q.shape[0], q.shape[1]) * sol.LOG2E
+  lengths = kw.get("block_len")
+  cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
+                               qk_scale=plan.log2_scale, sink_blocks=plan.sink_blocks, sink_q=plan.sink_q,
+                               tail=plan.tail, qk=qk, has_key_bias=kb is not None, has_block_len=lengths is not None)
+  lengths = None if lengths is None else sol.block_lengths(plan.num_tokens, lengths)
+  args = (q[:, :, head0:head0 + heads], k, k_scale, v, v_sum, sl(routing.k_global), sl(routing.blocks),
+          sl(routing.counts), sl(routing.centroid), sl(routing.k_mean), kb, lengths, cfg)
+  return args
+
+
+@pytest.mark.parametrize("qk", sol_decoded.QK_PRECISIONS)
+@pytest.mark.parametrize("name", ["int4_d64_tau1", "mixed_ktoken_topk_sinks", "no_tail_sink_q", "key_bias_d64",
+                                  "block_len", "whole_blocks_t640", "tiny_tail_t65"])
+def test_kernel_over_stores_matches_its_reference(name, qk):
+  """``sol_decoded``'s kernel against ``exact_loop_reference`` on the same stores: only
+  the kernel's own roundings differ (P in bf16, the V sums as two bf16 terms)."""
+  q, packed, kw, live = _case_inputs(name)
+  args = _group_stores(q, packed, kw, qk)
+  out = sol_decoded.sol_over_stores(*args, interpret=True)
+  ref = sol_decoded.exact_loop_reference(*args)
+  assert out.shape == q.shape and out.dtype == jnp.bfloat16
+  qual = _check(out, ref, live, cos=0.99998)
+  assert qual["rel_l2"] < 5e-3, qual
+
+
+def test_int8_qk_is_close_to_bf16_qk_and_not_equal():
+  """Int8 Q.K is a real change of the dots (not the bf16 path renamed) and stays close."""
+  q, packed, kw, live = _case_inputs("mixed_d128_g64_tau05")
+  outs = {qk: np.asarray(sol_decoded.sol_over_stores(*_group_stores(q, packed, kw, qk), interpret=True),
+                         np.float32)[:, live] for qk in sol_decoded.QK_PRECISIONS}
+  qual = quality(outs["int8"], outs["bf16"])
+  assert 0.9995 < qual["cos"] < 1.0 and qual["rel_l2"] > 1e-4, qual
 
 
 def test_overwrite_q_writes_the_output_into_q():
@@ -140,7 +201,8 @@ def test_overwrite_q_writes_the_output_into_q():
 
 @pytest.mark.parametrize("name, keep_rotated, method", [
     ("mixed_ktoken_topk_sinks", False, "fused"), ("no_tail_sink_q", True, "fused"), ("key_bias_d64", False, "fused"),
-    ("block_len", False, "fused"), ("mixed_d128_g64_tau05", False, "streamed")])
+    ("block_len", False, "fused"), ("mixed_d128_g64_tau05", False, "streamed"), ("block_len", True, "streamed"),
+    ("key_bias_d64", False, "streamed_int8"), ("no_tail_sink_q", False, "streamed_int8")])
 def test_kernel_lowers_to_triton(name, keep_rotated, method):
   """Lower for CUDA on this CPU machine: catches what Pallas-Triton rejects (slices of
   values, non power-of-two shapes, unsupported ops) that interpret mode lets through."""
@@ -150,7 +212,8 @@ def test_kernel_lowers_to_triton(name, keep_rotated, method):
   fn = jax.jit(lambda q, packed, arrays: sol.sol_attention(q, packed, interpret=False, keep_rotated=keep_rotated,
                                                            method=method, **static, **arrays))
   text = fn.trace(q, packed, arrays).lower(lowering_platforms=("cuda",)).as_text()
-  assert "sol_attention" in text and "triton" in text.lower()
+  kernel = "sol_attention" if method == "fused" else "sol_over_stores"
+  assert kernel in text and "triton" in text.lower()
 
 
 @pytest.mark.parametrize("kw", [{}, {"tau": -0.5, "sm_scale": 0.2}, {"topk_ratio": 0.3, "sink_blocks": [0, 2]},
@@ -400,5 +463,6 @@ def test_gpu_kernel_matches_reference():
   q, packed, _, _ = _data(4000, 128, None, "channel", "token", seed=1)
   for kw in ({}, {"topk_ratio": 0.1, "sink_blocks": [0, 8]}, {"tau": 1.5, "sink_q": [10, 12]}):
     _check(sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw))
-    _check(sol.sol_attention(q, packed, method="streamed", **kw), sol.sol_attention_reference(q, packed, **kw))
+    for method in STREAMED:
+      _check(sol.sol_attention(q, packed, method=method, **kw), sol.sol_attention_reference(q, packed, **kw))
   _check(sol.sol_attention(jnp.array(q, copy=True), packed, overwrite_q=True), sol.sol_attention_reference(q, packed))
