@@ -127,9 +127,10 @@ def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, *, batch
     topk = float(opts.get("topk_ratio") or 0.0)
     cap = opts.get("max_exact") or (sol.topk_count(nb, topk) + 3 if topk > 0 else sol.DEFAULT_MAX_EXACT_TAU)
     attn = sol.routing_nbytes(batch, heads, tokens, head_dim, cap)["total"] + sol.DEFAULT_ROUTE_CHUNK_BYTES
-    if opts.get("method") == "streamed":  # one head group's bf16 K/V stores, q slice and output
-      group = sol.streamed_group(batch, tokens, heads, head_dim, scratch_bytes)
-      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim)
+    qk = sol.STREAMED_QK.get(opts.get("method", "fused"))
+    if qk is not None:  # one head group's decoded K/V stores, q slice and output
+      group = sol.streamed_group(batch, tokens, heads, head_dim, scratch_bytes, qk)
+      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim, qk)
   out = batch * tokens * hidden * 2
   phases = {"projection": q + packed + projection, "attention": q + packed + attn, "o_proj": q + out}
   return {"q": q, "packed_kv": packed, "projection_scratch": projection, "attention_scratch": attn,

@@ -137,7 +137,7 @@ DEFAULT_ROUTE_CHUNK_BYTES = 32 << 20
 # fused: the kernel below decodes packed tiles in its loop. streamed / streamed_int8:
 # head groups decoded first, then sol_decoded's kernel (bf16 / int8 Q.K dots).
 METHODS = ("fused", "streamed", "streamed_int8")
-_STREAMED_QK = {"streamed": "bf16", "streamed_int8": "int8"}
+STREAMED_QK = {"streamed": "bf16", "streamed_int8": "int8"}
 # The streamed method's bound on one head group's bf16 K/V stores, q slice and output.
 DEFAULT_SCRATCH_BYTES = 512 << 20
 
@@ -880,12 +880,13 @@ def sol_attention(q, packed, *, tau=1.0, sm_scale=None, sink_blocks=None, sink_q
   to skip the routing step. The output is un-rotated by ``R_v^T`` unless
   ``keep_rotated``. overwrite_q: write the output into q's buffer (q is donated and
   must not be used afterwards), saving one (B, T, H, D) bf16 buffer of peak memory.
-  method: ``"fused"`` (the kernel decodes int4/int8 tiles in its exact loop; no scratch)
-  or ``"streamed"`` (head groups decoded first into bf16 stores of at most
-  ``scratch_bytes`` with the K/V together, so the exact loop only loads and multiplies;
-  ``benchmarks/NOTES.md``: the kernel over bf16 K/V took 0.71 s against 1.20 s over int4
-  at T = 152,263 on an H100). Both give the same output up to bf16 rounding of the
-  dequantized K/V.
+  method: ``"fused"`` (the kernel below decodes int4/int8 tiles in its exact loop; no
+  scratch), ``"streamed"`` or ``"streamed_int8"``: head groups decoded first by
+  ``kv_dequant`` into stores of at most ``scratch_bytes`` (K bf16, or K - kg int8 per
+  token for ``streamed_int8``; V bf16, un-rotated), then ``sol_decoded``'s kernel, which
+  only loads whole 64 x D tiles and multiplies them (bf16 Q.K dots, or int8 Q.K with Q
+  quantized per row; P.V in bf16). The three agree up to the roundings each adds:
+  ``benchmarks/NOTES.md`` has their times and cosines next to comfy-kitchen's.
   """
   plan = _plan(q, packed, tau=tau, sm_scale=sm_scale, sink_blocks=sink_blocks, sink_q=sink_q,
                topk_ratio=topk_ratio, tail=tail, max_exact=max_exact)
@@ -901,8 +902,8 @@ def sol_attention(q, packed, *, tau=1.0, sm_scale=None, sink_blocks=None, sink_q
       raise ValueError(f"routing is for (B, H, NB) = {tuple(routing.counts.shape)}, this call needs {want}")
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  group, qk = 0, _STREAMED_QK.get(method, "bf16")
-  if method in _STREAMED_QK:
+  group, qk = 0, STREAMED_QK.get(method, "bf16")
+  if method in STREAMED_QK:
     b, t, h, d = q.shape
     group = streamed_group(b, t, h, d, scratch_bytes, qk)
     if group < 1:
