@@ -28,7 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import formats as fmt  # noqa: E402
 from pallas_kernels.testing import dit_qkv, fake_quant, quality  # noqa: E402
 from benchmarks.common import package_versions  # noqa: E402
-from pallas_kernels.attention import attention_f32, packed_attention, packed_attention_reference  # noqa: E402
+from formats.reference import attention_f32  # noqa: E402
+from pallas_kernels import Dense  # noqa: E402
+from pallas_kernels.attention import packed_attention, packed_attention_reference  # noqa: E402
 
 GOALS = {"int4": {"cos": 0.999, "rel_l1": 0.05}, "int8": {"cos": 0.9999}}
 
@@ -141,7 +143,7 @@ def main(argv=None):
                  "bits_per_kv_value": 8 * packed.nbytes() / (2 * h * t * d), **quality(out, ref)}
           if args.kernel_rows and policy in ("int4", "int4+prefix_int8", "int8") and \
               (k_scheme, v_scheme) == (fmt.DEFAULT_K_SCHEME, fmt.DEFAULT_V_SCHEME):
-            ko = packed_attention(q_bf16[:, sub], packed, interpret=True, block_q=64)
+            ko = packed_attention(q_bf16[:, sub], packed, Dense(block_q=64), interpret=True)
             kq = quality(np.asarray(ko, np.float32), ref[:, sub])
             row["kernel_rows"] = {"rows": len(sub), **kq,
                                   "reference_same_rows": quality(out[:, sub], ref[:, sub])}

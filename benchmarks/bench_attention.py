@@ -9,8 +9,9 @@ or with an int8 conditioning prefix. Rows, timed in the same process (median of
 ``--repeats`` after ``--warmup``):
 
 * jax cuDNN and torch SDPA cuDNN on bf16 q, k, v (the speed bar);
-* ``packed_attention(method="streamed")`` at 128 MiB, 512 MiB and 2 GiB of scratch;
-* ``packed_attention(method="fused")`` (the Triton kernel, no scratch);
+* ``packed_attention(q, packed, Dense(method="streamed", scratch_bytes=...))`` at 128 MiB,
+  512 MiB and 2 GiB of scratch;
+* ``packed_attention(q, packed, Dense(method="fused"))`` (the Triton kernel, no scratch);
 * comfy-kitchen ``int8_attention`` on bf16 q, k, v (the peer users run today; its row
   is skipped, saying why, when comfy_kitchen does not import).
 
@@ -39,6 +40,7 @@ import numpy as np  # noqa: E402
 import formats as fmt  # noqa: E402
 from benchmarks import common, h3_layer  # noqa: E402
 from pallas_kernels.testing import quality  # noqa: E402
+from pallas_kernels import Dense  # noqa: E402
 from pallas_kernels.attention import packed_attention  # noqa: E402
 
 STREAMED = (("streamed_128mib", 128 << 20), ("streamed_512mib", 512 << 20), ("streamed_2gib", 2 << 30))
@@ -54,7 +56,7 @@ def build(tokens, heads, head_dim, prefix, seed=0):
   # XLA and are freed at once, instead of eager buffers fragmenting the BFC pool.
   q32, k32, v32 = jax.jit(lambda i: h3_layer.project_reference(i, shape, jnp.float32))(inp)
   del inp
-  meta = fmt.PackedKVMeta(1, heads, head_dim, tokens, shape.block_classes)
+  meta = shape.storage.meta(1, heads, head_dim, tokens)
   r_k = jnp.asarray(fmt.hadamard_rotation(head_dim, meta.rotation_seed_k))
   r_v = jnp.asarray(fmt.hadamard_rotation(head_dim, meta.rotation_seed_v))
   packed = jax.jit(lambda k, v: fmt.quantize_reference(k @ r_k, v @ r_v, meta))(k32, v32)
@@ -135,8 +137,8 @@ def run(args, tokens, prefix):
   cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation="cudnn" if on_gpu else None))
   base = add("jax_cudnn_bf16", lambda: cudnn(q, k, v))
   for name, budget in STREAMED:
-    add(name, lambda budget=budget: packed_attention(q_rot, packed, method="streamed", scratch_bytes=budget))
-  add("fused", lambda: packed_attention(q_rot, packed, method="fused"))
+    add(name, lambda budget=budget: packed_attention(q_rot, packed, Dense(method="streamed", scratch_bytes=budget)))
+  add("fused", lambda: packed_attention(q_rot, packed, Dense(method="fused")))
   if on_gpu:
     import torch
     tq, tk, tv = (torch.from_dlpack(x).permute(0, 2, 1, 3) for x in (q, k, v))

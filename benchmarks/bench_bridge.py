@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import formats  # noqa: E402
 from pallas_kernels import attention as jax_attn  # noqa: E402
 from pallas_kernels import backend  # noqa: E402
-from pallas_kernels import projection as jax_qkv  # noqa: E402
+from pallas_kernels import qkv_projection as jax_qkv  # noqa: E402
 from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
 from benchmarks.common import package_versions  # noqa: E402
 from pallas_kernels.rope import rope_3d_angles, rope_tables  # noqa: E402

@@ -84,7 +84,7 @@ def child(cfg: dict) -> dict:
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  from pallas_kernels import layer
+  from pallas_kernels import QKVWeights, layer
   from pallas_kernels import sequence_parallel as sp
   from pallas_kernels import rope
 
@@ -117,19 +117,19 @@ def child(cfg: dict) -> dict:
              rope_cos=put(jnp.asarray(cos), by_rows), rope_sin=put(jnp.asarray(sin), by_rows))
   del x
   kw = dict(layout=QKVLayout.h3(h, d, rot), interpret=None if on_gpu else True)
-  common_args = lambda i: dict(q_norm_weight=i["q_norm_weight"], k_norm_weight=i["k_norm_weight"],
-                               rope_cos=i["rope_cos"], rope_sin=i["rope_sin"])
+  weights = lambda i: QKVWeights(i["w"], q_norm_weight=i["q_norm_weight"], k_norm_weight=i["k_norm_weight"])
+  common_args = lambda i: dict(rope_cos=i["rope_cos"], rope_sin=i["rope_sin"])
   if variant == "ours":
-    fn = lambda i: sp.ulysses_attention_layer(i["x"], i["w"], mesh=mesh, axis_name="sp", **common_args(i), **kw)
+    fn = lambda i: sp.ulysses_attention_layer(i["x"], weights(i), mesh=mesh, axis_name="sp", **common_args(i), **kw)
     rec["wire"] = sp.wire_bytes(t, h, d, p)
   elif variant == "ring":
-    fn = lambda i: sp.ring_attention_layer(i["x"], i["w"], mesh=mesh, axis_name="sp", **common_args(i), **kw)
+    fn = lambda i: sp.ring_attention_layer(i["x"], weights(i), mesh=mesh, axis_name="sp", **common_args(i), **kw)
     rec["wire"] = {k: v for k, v in sp.wire_bytes(t, h, d, p).items() if k.startswith("ring")}
   elif variant == "bf16":
     fn = bf16_ulysses_fn(mesh, "sp", shape)
     rec["wire"] = sp.wire_bytes(t, h, d, p)["bf16"]
   else:
-    fn = lambda i: layer.attention_layer(i["x"], i["w"], **common_args(i), **kw)
+    fn = lambda i: layer.attention_layer(i["x"], weights(i), **common_args(i), **kw)
   try:
     out = jax.block_until_ready(fn(inp))            # compile + first call
     del out

@@ -45,6 +45,8 @@ DEFAULT_CONFIGS = (
     {"tau": 0.0, "sink_blocks": "prefix", "max_exact": 2048},
     {"topk_ratio": 0.1, "sink_blocks": "prefix"},
 )
+# The settings comfy-kitchen's ``sol_attn`` takes (not our list capacity, method or launch).
+PEER_KEYS = ("tau", "topk_ratio", "sink_blocks", "sink_q", "tail")
 
 
 # --------------------------------------------------------------------------------------
@@ -192,7 +194,8 @@ def main(argv=None):
   ap.add_argument("--prefix-class", default="int8", choices=fmt.CLASSES)
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--quality-rows", type=int, default=512)
-  ap.add_argument("--configs", default=None, help="JSON list of Sol kwargs (sink_blocks may be \"prefix\")")
+  ap.add_argument("--configs", default=None,
+                  help="JSON list of pallas_kernels.Sol kwargs (sink_blocks may be \"prefix\")")
   ap.add_argument("--max-exact", type=int, default=None, help="routed-list capacity (default: Sol's)")
   ap.add_argument("--methods", default="fused,streamed,streamed_int8",
                   help="Sol methods timed for every setting (streamed*: head groups decoded first)")
@@ -221,6 +224,7 @@ def main(argv=None):
              for w, st in (((4, 2),) if m == "fused" else launches)]
 
   # Imported after the platform choice so nothing touches a GPU in smoke mode.
+  from pallas_kernels import Dense, Sol
   from pallas_kernels import attention as dense
   from pallas_kernels import sol
 
@@ -280,7 +284,7 @@ def main(argv=None):
 
   dense_out = None
   if not args.skip_dense:
-    dense_fn = jax.jit(lambda a, p: dense.packed_attention(a, p))
+    dense_fn = jax.jit(lambda a, p: dense.packed_attention(a, p, Dense()))
     dense_out, first, med, times = timed(dense_fn, q_rot, packed, runs=args.runs)
     report("dense_packed", dense_out, first, med, times)
     dense_rows = np.asarray(pick(dense_out))
@@ -294,26 +298,27 @@ def main(argv=None):
     if args.max_exact is not None:
       kw.setdefault("max_exact", args.max_exact)
     name = "sol " + ",".join(f"{k}={v}" for k, v in kw.items())
-    route = jax.jit(lambda a, p, kw=kw: sol.sol_routing(a, p, **{k: v for k, v in kw.items()
-                                                                 if k not in ("tail", "method", "num_warps", "num_stages")}))
+    # A setting without a method is the fused kernel (the name then carries no method=).
+    cfg_sol = Sol(**{"method": "fused", **kw})
+    route = jax.jit(lambda a, p, c=cfg_sol: sol.sol_routing(a, p, c))
     routing, r_first, r_med, r_times = timed(route, q_rot, packed, runs=args.runs)
-    sinks = tuple(min(x, nb) for x in kw.get("sink_blocks", (0, 0)))
-    stats = routing_stats(routing, sinks, tuple(min(x, nb) for x in kw.get("sink_q", (0, 0))), nb)
+    sinks = tuple(min(x, nb) for x in cfg_sol.sink_blocks or (0, 0))
+    stats = routing_stats(routing, sinks, tuple(min(x, nb) for x in cfg_sol.sink_q or (0, 0)), nb)
     stats["routing_time_s"] = r_med
     stats["routing_first_call_s"] = r_first
     stats["routing_nbytes_formula"] = sol.routing_nbytes(1, h, t, d, stats["capacity"])
-    kern = jax.jit(lambda a, p, r, kw=kw: sol.sol_attention(a, p, routing=r, **kw))
+    kern = jax.jit(lambda a, p, r, c=cfg_sol: sol.sol_attention(a, p, c, routing=r))
     out, k_first, k_med, k_times = timed(kern, q_rot, packed, routing, runs=args.runs)
     stats["kernel_time_s"] = k_med
     stats["kernel_first_call_s"] = k_first
-    full = jax.jit(lambda a, p, kw=kw: sol.sol_attention(a, p, **kw))
+    full = jax.jit(lambda a, p, c=cfg_sol: sol.sol_attention(a, p, c))
     out, first, med, times = timed(full, q_rot, packed, runs=args.runs)
     if not args.skip_dense:
       stats["vs_dense_packed"] = quality(np.asarray(pick(out)), dense_rows)
     ours = report(name, out, first, med, times, fraction=stats["exact_block_fraction_mean"], extra=stats)
     setting = tuple(sorted((k, str(v)) for k, v in kw.items() if k not in ("method", "num_warps", "num_stages")))
     if peer is not None and setting not in peer_runs:  # the peer once per setting
-      p_kw = {k: v for k, v in kw.items() if k not in ("max_exact", "method", "num_warps", "num_stages")}
+      p_kw = {k: v for k, v in kw.items() if k in PEER_KEYS}
       p_out, p_first, p_med, p_times = peer(p_kw, args.runs)
       peer_runs[setting] = (p_med, report("comfy " + name, p_out, p_first, p_med, p_times)["cos"])
       del p_out

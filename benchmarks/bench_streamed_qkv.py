@@ -27,11 +27,12 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from benchmarks import common  # noqa: E402
-from pallas_kernels.projection import ProjectionTuning  # noqa: E402
-from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
+from pallas_kernels.qkv_projection import ProjectionTuning  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights  # noqa: E402
 
 def make_inputs(args):
-  """H3-like inputs, built without big temporaries so the peak reading stays clean."""
+  """H3-like inputs, built without big temporaries so the peak reading stays clean:
+  x, the ``QKVWeights`` and ``streamed_qkv``'s keyword arguments (layout, RoPE tables)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -60,21 +61,22 @@ def make_inputs(args):
   pos = dit_grid(t, prefix_tokens=min(t // 20, 4096))
   angles = rope.rope_3d_angles(pos, freqs_per_axis=args.rot_dim // 6)
   cos, sin = rope.rope_tables(angles, d)
-  kw = dict(q_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
-            k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
-            rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin), layout=QKVLayout.h3(h, d, args.rot_dim))
+  weights = QKVWeights(w, q_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
+                       k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32))
+  kw = dict(rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin), layout=QKVLayout.h3(h, d, args.rot_dim))
   del k4
-  return x, w, kw
+  return x, weights, kw
 
 
-def block_classes(args):
-  from formats import packed_kv as fmt
+def kv_storage(args):
+  """The ``KVStorage`` of ``--policy``."""
+  from formats import KVStorage
   t = args.tokens
   if args.policy == "int4":
-    return fmt.resolve_block_classes(t)
+    return KVStorage()
   # Text prefix in bf16, reference frames in int8, generated video in int4.
   text, refs = max(t // 50, 1), max(t // 5, 2)
-  return fmt.resolve_block_classes(t, [(0, text, "bf16"), (text, refs, "int8")])
+  return KVStorage(token_ranges=((0, text, "bf16"), (text, refs, "int8")))
 
 
 def slice_packed(packed, b0, b1):
@@ -107,25 +109,30 @@ def slice_packed(packed, b0, b1):
   return fmt.PackedKV(sub, arrays)
 
 
-def check_subsets(args, q, packed, x, w, kw, classes):
+def check_subsets(args, q, packed, x, weights, kw, storage):
   """Kernel vs reference on a head and a tail row subset; returns metrics."""
+  import dataclasses
+
   import jax
   import numpy as np
 
   from pallas_kernels.testing import cosine, rel_err
   from formats import packed_kv as fmt
-  from pallas_kernels.projection import projected_qkv_f32, streamed_qkv_reference
+  from pallas_kernels.qkv_projection import projected_qkv_f32, streamed_qkv_reference
 
   nb = packed.meta.num_blocks
+  classes = storage.classes_for(args.tokens)
   n = max(1, min(args.check_rows // fmt.BLOCK, nb))
   out = {}
   for name, (b0, b1) in (("head", (0, n)), ("tail", (max(0, nb - n), nb))):
     r0, r1 = b0 * fmt.BLOCK, min(args.tokens, b1 * fmt.BLOCK)
     sub_kw = dict(kw, rope_cos=kw["rope_cos"][r0:r1], rope_sin=kw["rope_sin"][r0:r1])
     xs = x[:, r0:r1]
-    q_ref, ref = streamed_qkv_reference(xs, w, **sub_kw, block_classes=classes[b0:b1])
+    sub_storage = dataclasses.replace(storage, token_ranges=(), policy=None, policy_key=None,
+                                      block_classes=classes[b0:b1])
+    q_ref, ref = streamed_qkv_reference(xs, weights, **sub_kw, storage=sub_storage)
     got = slice_packed(packed, b0, b1)
-    _, k32, v32 = projected_qkv_f32(xs, w, None, **sub_kw)
+    _, k32, v32 = projected_qkv_f32(xs, weights, **sub_kw, storage=sub_storage)
     kd, vd = jax.jit(fmt.dequantize_reference)(got)
     kr, vr = jax.jit(fmt.dequantize_reference)(ref)
     qs = np.asarray(q[:, r0:r1], np.float32)
@@ -170,15 +177,18 @@ VARIANTS = (("chunked_128mib", dict(method="chunked", scratch_bytes=128 << 20)),
 
 
 def run_tokens(args, tokens):
+  import dataclasses
+
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.projection import streamed_qkv
+  from pallas_kernels.qkv_projection import streamed_qkv
 
   args.tokens = tokens
-  x, w, kw = make_inputs(args)
-  classes = block_classes(args)
-  jax.block_until_ready((x, w, kw["rope_cos"]))
+  x, weights, kw = make_inputs(args)
+  w = weights.w_qkv
+  storage = kv_storage(args)
+  jax.block_until_ready((x, weights, kw["rope_cos"]))
   on_gpu = jax.default_backend() == "gpu"
   gemm = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.bfloat16))
   rows = []
@@ -206,11 +216,13 @@ def run_tokens(args, tokens):
   for name, cfg in VARIANTS:
     if args.variants and name not in args.variants.split(","):
       continue
-    fn = lambda cfg=cfg: streamed_qkv(x, w, **kw, block_classes=classes, **cfg)
-    rec, out = measure(name, fn, {"config": cfg})
+    fn = lambda cfg=cfg: streamed_qkv(x, weights, **kw, storage=storage, **cfg)
+    # JSON-able record of the settings (a ProjectionTuning as its fields)
+    config = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in cfg.items()}
+    rec, out = measure(name, fn, {"config": config})
     if out is not None:
       q, packed = out
-      rec["check"] = check_subsets(args, q, packed, x, w, kw, classes)
+      rec["check"] = check_subsets(args, q, packed, x, weights, kw, storage)
       rec["check_ok"] = all(m["ok"] for m in rec["check"].values())
       del q, packed, out
     if rec.get("time_s") and base.get("time_s"):

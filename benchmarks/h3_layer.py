@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.testing import dit_grid
+from formats import KVStorage
 from formats import packed_kv as fmt
 from pallas_kernels import rope as rope_lib
-from pallas_kernels.qkv_layout import QKVLayout
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 
 VARIANTS = ("bf16", "bf16_quant", "dense", "sol")
 
@@ -36,9 +37,14 @@ class LayerShape:
   prefix_class: str = "int8"    # its K/V precision in our variants
 
   @property
-  def block_classes(self):
-    ranges = [(0, self.prefix_tokens, self.prefix_class)] if self.prefix_tokens else []
-    return fmt.resolve_block_classes(self.tokens, ranges)
+  def storage(self) -> KVStorage:
+    """Our variants' K/V storage: int4, the prefix in ``prefix_class``."""
+    ranges = ((0, self.prefix_tokens, self.prefix_class),) if self.prefix_tokens else ()
+    return KVStorage(token_ranges=ranges)
+
+  @property
+  def layout(self) -> QKVLayout:
+    return QKVLayout.h3(self.heads, self.head_dim, self.rot_dim)
 
 
 H3_SMALL = LayerShape(tokens=300, hidden=256, heads=2, head_dim=128, rot_dim=96, prefix_tokens=40)
@@ -106,7 +112,8 @@ def _sdpa(q, k, v):
 
 
 def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
-  """A jittable function inputs -> attention output (1, T, H, D) bf16 for ``variant``."""
+  """A jittable function inputs -> attention output (1, T, H, D) bf16 for ``variant``.
+  ``sol_kwargs``: ``pallas_kernels.Sol`` settings of the ``sol`` variant."""
   if variant == "bf16":
     def run(inp):
       q, k, v = project_reference(inp, shape, jnp.bfloat16)
@@ -119,19 +126,19 @@ def layer_fn(variant: str, shape: LayerShape, sol_kwargs: dict | None = None):
       q, k, v = project_reference(inp, shape, jnp.bfloat16)
       rk = jnp.asarray(fmt.hadamard_rotation(shape.head_dim, 0))
       rv = jnp.asarray(fmt.hadamard_rotation(shape.head_dim, 1))
-      meta = fmt.PackedKVMeta(1, shape.heads, shape.head_dim, shape.tokens, shape.block_classes)
+      meta = shape.storage.meta(1, shape.heads, shape.head_dim, shape.tokens)
       packed = fmt.quantize_reference(k @ rk, v @ rv, meta)
       return packed_attention((q @ rk).astype(jnp.bfloat16), packed)
     return run
   if variant in ("dense", "sol"):
     def run(inp):
       # Projection and attention in one call: the output takes Q's buffer.
+      from pallas_kernels import Dense, Sol
       from pallas_kernels.layer import attention_layer
-      return attention_layer(inp["x"], inp["w"], q_norm_weight=inp["q_norm_weight"],
-                             k_norm_weight=inp["k_norm_weight"], rope_cos=inp["rope_cos"],
-                             rope_sin=inp["rope_sin"], layout=QKVLayout.h3(shape.heads, shape.head_dim, shape.rot_dim),
-                             block_classes=shape.block_classes, attention=variant,
-                             sol_options=sol_kwargs if variant == "sol" else None)
+      weights = QKVWeights(inp["w"], q_norm_weight=inp["q_norm_weight"], k_norm_weight=inp["k_norm_weight"])
+      return attention_layer(inp["x"], weights, layout=shape.layout, rope_cos=inp["rope_cos"],
+                             rope_sin=inp["rope_sin"], storage=shape.storage,
+                             attention=Sol(**(sol_kwargs or {})) if variant == "sol" else Dense())
     return run
   raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 

@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.kv_quality import REAL_LAYERS, real_layers  # noqa: E402
-from formats.calibration import (UPGRADE, PrecisionPolicy, attention_cos, attention_f32, calibrate,  # noqa: E402
+from formats.reference import attention_f32  # noqa: E402
+from formats.calibration import (UPGRADE, PrecisionPolicy, attention_cos, calibrate,  # noqa: E402
                                  class_bits, report_key, storage_roundtrip)
 
 HELD_OUT_START = 4096

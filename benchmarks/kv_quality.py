@@ -42,7 +42,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 import formats as fmt  # noqa: E402
-from formats.calibration import attention_f32  # noqa: E402
+from formats.reference import attention_f32  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 SAMPLE = os.path.join(ROOT, "benchmarks", "data", "smollm2_qkv_sample.npz")
@@ -56,7 +56,7 @@ REAL_ROPE_THETA = 1e5   # SmolLM2-135M's (the committed sample's positions are 0
 # --------------------------------------------------------------------------------------
 def attention(q, k, v, chunk=512):
   """Non-causal float32 attention with grouped heads: the one ``formats.calibrate`` uses."""
-  return attention_f32(q, k, v, chunk)
+  return np.asarray(attention_f32(q, k, v, chunk=chunk))
 
 
 def metrics(out, ref) -> dict:

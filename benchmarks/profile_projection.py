@@ -52,18 +52,19 @@ def run_tokens(args, tokens, rows_out):
 
   from benchmarks.bench_streamed_qkv import make_inputs
   from formats import packed_kv as fmt
-  from pallas_kernels.projection import ProjectionTuning, check_inputs, chunk_rows, streamed_qkv
-  from pallas_kernels.projection_ops import epilogue_constants
+  from pallas_kernels.qkv_projection import ProjectionTuning, check_inputs, chunk_rows, streamed_qkv
+  from pallas_kernels.qkv_ops import epilogue_constants
   from pallas_kernels.qkv_epilogue import empty_buffers, epilogue_call
 
   shape = SimpleNamespace(batch=1, tokens=tokens, hidden=args.hidden, heads=args.heads, head_dim=args.head_dim,
                           rot_dim=args.rot_dim)
-  x, w, kw = make_inputs(shape)
+  x, weights, kw = make_inputs(shape)
+  w = weights.w_qkv
   layout = kw["layout"]
-  meta = check_inputs(x, w, None, layout, kw["q_norm_weight"], kw["k_norm_weight"], kw["rope_cos"],
-                      kw["rope_sin"], None, "channel", "token", 0, 1)
+  meta = check_inputs(x, weights, layout, kw["rope_cos"], kw["rope_sin"], None)  # the default KVStorage()
   interpret = jax.default_backend() != "gpu"
-  consts = epilogue_constants(layout, 0, 1, kw["q_norm_weight"], kw["k_norm_weight"])
+  consts = epilogue_constants(layout, meta.rotation_seed_k, meta.rotation_seed_v, weights.q_norm_weight,
+                              weights.k_norm_weight)
   cos, sin = kw["rope_cos"], kw["rope_sin"]
   nb = meta.num_blocks
   hidden, width = x.shape[2], layout.width
@@ -108,7 +109,7 @@ def run_tokens(args, tokens, rows_out):
                                 "bytes": moved, "epilogue_gbps": moved / t_epi / 1e9,
                                 "fraction_of_bandwidth": (moved / t_epi / bw) if bw else None})
         tuning = ProjectionTuning(epilogue_num_warps=warps, gemm_dtype=gemm_dtype)
-        fn = lambda: streamed_qkv(x, w, **kw, method="chunked", scratch_bytes=scratch << 20, tuning=tuning)
+        fn = lambda: streamed_qkv(x, weights, **kw, method="chunked", scratch_bytes=scratch << 20, tuning=tuning)
         t_all, _ = common.time_fn(fn, args.warmup, args.iters)
         rows_out.append(base | {"part": "chunked", "num_warps": warps, "time_s": t_all,
                                 "vs_full_gemm": t_all / t_full,

@@ -15,6 +15,7 @@ fraction)), and the bytes of K/V it reads per exact block. Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -41,7 +42,7 @@ def main(argv=None):
   if args.cpu_smoke:
     jax.config.update("jax_platforms", "cpu")
     args.tokens, args.heads, args.runs, args.launch = 700, 2, 1, "4x2"
-  from pallas_kernels import sol
+  from pallas_kernels import Sol, sol
 
   t, h, d = args.tokens, args.heads, H3["head_dim"]
   prefix = t // 10
@@ -62,22 +63,22 @@ def main(argv=None):
   record["cudnn_bf16_s"] = cudnn_s
   del qb, kb, vb
   print(f"{record['card']}: T={t} H={h} tau={args.tau}; cuDNN bf16 dense {cudnn_s * 1e3:.1f} ms", flush=True)
-  kw = dict(tau=args.tau, sink_blocks=(0, -(-prefix // fmt.BLOCK)))
+  setting = Sol(tau=args.tau, sink_blocks=(0, -(-prefix // fmt.BLOCK)), method="fused")
   routing = None
   for cls in args.classes.split(","):
     meta = fmt.PackedKVMeta(1, h, d, t, (fmt.CLASS_ID[cls],) * nb)
     packed = jax.jit(fmt.quantize_reference, static_argnums=2)(kr, vr, meta)
     if routing is None:  # the routing reads only the stats and q: one for every class
-      routing = jax.jit(lambda a, p: sol.sol_routing(a, p, **kw))(q_rot, packed)
-      stats = routing_stats(routing, kw["sink_blocks"], (0, 0), nb)
+      routing = jax.jit(lambda a, p: sol.sol_routing(a, p, setting))(q_rot, packed)
+      stats = routing_stats(routing, setting.sink_blocks, (0, 0), nb)
       record["routing"] = stats
       frac = stats["exact_block_fraction_mean"]
     kv_bytes_per_block = packed.nbytes() / (h * nb)
     for launch in args.launch.split(","):
       warps, stages = (int(x) for x in launch.split("x"))
-      kern = jax.jit(lambda a, p, r, w=warps, s=stages: sol.sol_attention(a, p, routing=r, num_warps=w,
-                                                                          num_stages=s, **kw))
-      try:
+      try:  # Sol(...) checks the launch: an unsupported one is reported like a failed compile
+        cfg = dataclasses.replace(setting, num_warps=warps, num_stages=stages)
+        kern = jax.jit(lambda a, p, r, c=cfg: sol.sol_attention(a, p, c, routing=r))
         _, first, med, times = timed(kern, q_rot, packed, routing, runs=args.runs)
       except Exception as e:  # noqa: BLE001 - a launch config may not compile
         rows.append(dict(cls=cls, warps=warps, stages=stages, error=str(e).splitlines()[0][:300]))

@@ -16,16 +16,11 @@ import platform
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.testing import dit_qkv, quality
 from formats import packed_kv as fmt
-
-
-def attention_f32(q, k, v):
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+from formats.reference import attention_f32
 
 
 def main(argv=None):

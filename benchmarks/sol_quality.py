@@ -42,8 +42,8 @@ def run(tokens, heads, seeds, head_dim=128):
   from comfy_kitchen.backends.eager.sol_attn import sol_attn as peer
 
   from formats import packed_kv as fmt
-  from pallas_kernels import sol
-  from pallas_kernels.attention import attention_f32
+  from formats.reference import attention_f32
+  from pallas_kernels import Sol, sol
   from pallas_kernels.testing import dit_qkv, quality
 
   rk, rv = fmt.hadamard_rotation(head_dim, 0), fmt.hadamard_rotation(head_dim, 1)
@@ -64,8 +64,10 @@ def run(tokens, heads, seeds, head_dim=128):
       outs = {"peer, own basis": peer(th(bf(q)), th(bf(k)), th(bf(v)), **t_kw).numpy(),
               "peer, rotated basis": peer(th(bf(q @ rk)), th(bf(k @ rk)), th(bf(v @ rv)), **t_kw).numpy() @ rv.T}
       exact = {}
+      cfg = Sol(**t_kw)  # max_exact None: the reference's uncapped lists, as before
       for name, packed in packs.items():
-        out, ex = sol.sol_attention_reference(q_rot, packed, return_exact=True, **t_kw)
+        out = sol.sol_attention_reference(q_rot, packed, cfg)
+        ex = sol.sol_exact_blocks_reference(q_rot, packed, cfg)
         outs[f"ours {name}"] = np.asarray(out, np.float32)
         exact[f"ours {name}"] = float(np.asarray(ex).mean())
       for name, out in outs.items():

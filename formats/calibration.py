@@ -28,13 +28,13 @@ import dataclasses
 import json
 from typing import Hashable, Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from formats import packed_kv as fmt
+from formats.reference import attention_f32
 
-__all__ = ["PrecisionPolicy", "attention_cos", "attention_f32", "calibrate", "class_bits", "report_key",
+__all__ = ["PrecisionPolicy", "attention_cos", "calibrate", "class_bits", "report_key",
            "storage_roundtrip"]
 
 UPGRADE = "int8"
@@ -60,8 +60,9 @@ class PrecisionPolicy:
 
   ``ranges`` maps a key (a layer index, or a ``(layer, timestep)`` tuple: whatever
   the calibration samples were keyed by) to ``((start, end), ...)`` token ranges
-  stored int8. ``block_classes(key, num_tokens)`` gives the per-block classes that
-  ``streamed_qkv``, ``packed_attention_layer`` and the torch module take. ``report``
+  stored int8. ``block_classes(key, num_tokens)`` gives the per-block classes;
+  ``formats.KVStorage(policy=policy, policy_key=key)`` is how ``streamed_qkv``,
+  ``attention_layer`` and the torch module take them. ``report``
   carries the calibration's measured figures (JSON-safe).
   """
   num_tokens: int
@@ -98,22 +99,6 @@ class PrecisionPolicy:
 # --------------------------------------------------------------------------------------
 # Measurement helpers (float32, plain jnp)
 # --------------------------------------------------------------------------------------
-@jax.jit
-def _attend(q, k, v):
-  """q (R, Hq, D), k/v (T, Hk, D), Hq a multiple of Hk: non-causal float32 attention."""
-  rep = q.shape[1] // k.shape[1]
-  k, v = jnp.repeat(k, rep, 1), jnp.repeat(v, rep, 1)
-  s = jnp.einsum("qhd,khd->hqk", q, k, precision=jax.lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
-  return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, -1), v, precision=jax.lax.Precision.HIGHEST)
-
-
-def attention_f32(q, k, v, chunk=512):
-  """Non-causal float32 attention of (T, Hq, D) q over (T, Hk, D) k, v (grouped heads),
-  in query chunks of ``chunk`` rows: the measure calibration and the quality
-  benchmarks share."""
-  return np.concatenate([np.asarray(_attend(q[i:i + chunk], k, v)) for i in range(0, q.shape[0], chunk)], 0)
-
-
 def attention_cos(out, ref) -> float:
   o, r = np.asarray(out, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
   return float(o @ r / np.sqrt((o @ o) * (r @ r)))

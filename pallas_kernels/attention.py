@@ -37,17 +37,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import logging
+
 from formats import packed_kv as fmt
+from formats.reference import attention_lse_f32
+from pallas_kernels.attention_config import DENSE_METHODS as METHODS
+from pallas_kernels.attention_config import Dense
 from pallas_kernels.attention_fused import fused_attention
 from pallas_kernels.backend import on_gpu, resolve_interpret, resolve_sm_scale
 from pallas_kernels.kv_dequant import dequantize_group
 
-__all__ = ["DEFAULT_SCRATCH_BYTES", "METHODS", "StreamedPlan", "attention_f32", "packed_attention",
-           "packed_attention_reference", "resolve_method", "segment_ids_from_cu_seqlens", "streamed_plan"]
+__all__ = ["Dense", "METHODS", "StreamedPlan", "packed_attention", "packed_attention_lse",
+           "packed_attention_reference", "packed_attention_lse_reference", "resolve_method",
+           "segment_ids_from_cu_seqlens", "streamed_plan"]
 
 BLOCK = fmt.BLOCK
-METHODS = ("auto", "streamed", "fused")
-DEFAULT_SCRATCH_BYTES = 512 << 20
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------
@@ -124,46 +129,29 @@ def _lengths_mask(kv_lengths, kv_mask, num_tokens):
 # --------------------------------------------------------------------------------------
 # Reference
 # --------------------------------------------------------------------------------------
-def attention_f32(q, k, v, *, sm_scale, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
-                  return_lse=False):
-  """Plain float32 softmax attention, (B, T, H, D); fully masked rows give 0. With
-  ``return_lse`` also the (B, H, T) log-sum-exp of the scaled logits (-inf: no key)."""
-  q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=lax.Precision.HIGHEST) * sm_scale
-  ok = jnp.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)
-  if q_segment_ids is not None:
-    ok = ok & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
-  if kv_mask is not None:
-    ok = ok & kv_mask[:, None, None, :]
-  s = jnp.where(ok, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  p = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-  l = p.sum(-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
-  o = jnp.einsum("bhqk,bkhd->bqhd", p, v, precision=lax.Precision.HIGHEST)
-  if not return_lse:
-    return o
-  lse = jnp.where(l[..., 0] > 0, jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)) + m[..., 0], -jnp.inf)
-  return o, lse
-
-
-def packed_attention_reference(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None,
-                               kv_mask=None, kv_lengths=None, keep_rotated=False, return_lse=False, **_unused):
-  """Float32 jnp reference of ``packed_attention`` (same arguments, f32 output).
+def packed_attention_lse_reference(q, packed, attention: Dense | None = None, *, q_segment_ids=None,
+                                   kv_segment_ids=None, kv_mask=None, kv_lengths=None, keep_rotated=False):
+  """Float32 jnp reference of ``packed_attention_lse``: (o f32, lse (B, H, Tq) f32).
 
   Dequantizes all of K and V (``formats.dequantize_reference``): tests and
-  benchmarks only. Extra kernel arguments (method, interpret...) are ignored.
+  benchmarks only. The method and tiles of ``attention`` are ignored.
   """
-  sm_scale, qs, ks, km, kl = _validate(q, packed, sm_scale, q_segment_ids, kv_segment_ids, kv_mask,
+  attention = Dense() if attention is None else attention
+  sm_scale, qs, ks, km, kl = _validate(q, packed, attention.sm_scale, q_segment_ids, kv_segment_ids, kv_mask,
                                        kv_lengths)
   km = _lengths_mask(kl, km, packed.meta.num_tokens)
   k, v = fmt.dequantize_reference(packed)
-  o, lse = attention_f32(q, k, v, sm_scale=sm_scale, q_segment_ids=qs, kv_segment_ids=ks, kv_mask=km,
-                         return_lse=True)
+  o, lse = attention_lse_f32(q, k, v, sm_scale=sm_scale, q_segment_ids=qs, kv_segment_ids=ks, kv_mask=km,
+                             chunk=None)
   if not keep_rotated:
     r_v = jnp.asarray(fmt.hadamard_rotation(packed.meta.head_dim, packed.meta.rotation_seed_v))
     o = jnp.einsum("bqhd,ed->bqhe", o, r_v, precision=lax.Precision.HIGHEST)
-  return (o, lse) if return_lse else o
+  return o, lse
+
+
+def packed_attention_reference(q, packed, attention: Dense | None = None, **masks):
+  """Float32 jnp reference of ``packed_attention`` (same arguments, f32 output)."""
+  return packed_attention_lse_reference(q, packed, attention, **masks)[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -211,10 +199,6 @@ def cudnn_unsupported_reason() -> str | None:
 def resolve_method(method, q, packed, *, masked: bool, interpret: bool, scratch_bytes: int):
   """(method, plan): ``auto`` -> ``streamed`` where it runs (see the module table),
   else ``fused``; an explicit ``streamed`` that cannot run raises, naming why."""
-  if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  if int(scratch_bytes) < 0:
-    raise ValueError(f"scratch_bytes must be >= 0, got {scratch_bytes}")
   if method == "fused":
     return "fused", None
   b, tq, h, d = q.shape
@@ -233,7 +217,12 @@ def resolve_method(method, q, packed, *, masked: bool, interpret: bool, scratch_
     return "streamed", plan
   if reason is None:
     reason = "interpret mode runs the fused kernel" if interpret else cudnn_unsupported_reason()
-  return ("fused", None) if reason is not None else ("streamed", plan)
+  if reason is not None:
+    log.info("packed_attention auto: fused (streamed rejected: %s)", reason)
+    return "fused", None
+  log.info("packed_attention auto: streamed (%d heads a group, %d query rows a chunk, %d scratch bytes)",
+           plan.group, plan.q_rows, plan.scratch)
+  return "streamed", plan
 
 
 def _streamed(q, packed, out, kv_lengths, *, sm_scale, keep_rotated, overwrite_q, plan: StreamedPlan, interpret,
@@ -295,14 +284,13 @@ _fused_jit_donate_q = jax.jit(_fused, static_argnames=_FUSED_STATIC, donate_argn
 # --------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------
-def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None,
-                     kv_lengths=None, keep_rotated=False, overwrite_q=False, method="auto",
-                     scratch_bytes=DEFAULT_SCRATCH_BYTES, interpret=None, block_q=256, num_warps=None,
-                     num_stages=None, return_lse=False, _out=None):
+def packed_attention(q, packed, attention: Dense | None = None, *, q_segment_ids=None, kv_segment_ids=None,
+                     kv_mask=None, kv_lengths=None, keep_rotated=False, overwrite_q=False, interpret=None):
   """Dense attention of BF16 ``q`` over a ``formats.PackedKV``; returns (B, Tq, H, D) bf16.
 
   q: (B, Tq, H, D) bf16, already rotated by ``R_k`` (as ``streamed_qkv`` returns it);
-  Tq may differ from the packed ``num_tokens``. sm_scale defaults to 1/sqrt(D).
+  Tq may differ from the packed ``num_tokens``. ``attention``: a ``Dense`` config
+  (softmax scale, method, scratch budget, fused tiles; None: ``Dense()``).
   q_segment_ids (B, Tq) / kv_segment_ids (B, Tkv) int32 (or (T,), shared by the
   batch): a query sees only keys of its own segment. kv_mask (B, Tkv) bool: True =
   valid key. kv_lengths (B,) int32: only the first kv_lengths[b] keys of batch row b
@@ -310,45 +298,57 @@ def packed_attention(q, packed, *, sm_scale=None, q_segment_ids=None, kv_segment
   visible key outputs exactly 0. The output is un-rotated by ``R_v^T`` unless
   ``keep_rotated`` (then fold ``R_v^T`` into W_o).
   overwrite_q: write the output into q's buffer (q is donated and must not be used
-  afterwards), which saves one (B, Tq, H, D) bf16 buffer of peak memory; inside a
-  larger jit, XLA reuses the buffer when q is dead after this call.
-  method: ``"auto"``, ``"streamed"`` or ``"fused"`` (module docstring).
-  scratch_bytes: the streamed method's bound on its bf16 scratch (default 512 MiB).
-  block_q (power of two >= 16), num_warps, num_stages: the fused kernel's tiles.
-  return_lse: also return each row's log-sum-exp of its scaled logits, (B, H, Tq) f32
-  (-inf for a row with no visible key), to merge attentions over key shards (ring
-  attention). The fused method computes it: ``auto`` takes that method, ``streamed``
-  is refused (jax's public cuDNN call does not return it).
-  ``_out`` (a buffer aliased as the output, for NaN-poisoning tests) is for tests.
+  afterwards). It saves one (B, Tq, H, D) bf16 buffer of peak memory, the point of the
+  library at the user's sizes; a jitted caller gets the same from XLA when q dies
+  here, and the flag exists for eager callers (the torch op), whose q buffer only a
+  donation can reuse.
   """
-  sm_scale, q_seg, kv_seg, kv_mask, kv_lengths = _validate(q, packed, sm_scale, q_segment_ids,
+  return _packed_attention(q, packed, attention, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths,
+                           keep_rotated=keep_rotated, overwrite_q=overwrite_q, interpret=interpret)
+
+
+def packed_attention_lse(q, packed, attention: Dense | None = None, *, q_segment_ids=None, kv_segment_ids=None,
+                         kv_mask=None, kv_lengths=None, keep_rotated=False, interpret=None):
+  """``packed_attention`` and each row's log-sum-exp of its scaled logits: (o (B, Tq, H,
+  D) bf16, lse (B, H, Tq) f32, -inf for a row with no visible key), to merge attentions
+  over key shards (ring attention). Runs the fused method (jax's public cuDNN call
+  returns no log-sum-exp); a ``Dense(method="streamed")`` is refused."""
+  attention = Dense() if attention is None else attention
+  if attention.method == "streamed":
+    raise ValueError("packed_attention_lse needs Dense(method='fused') or 'auto': the streamed path's cuDNN "
+                     "call returns no log-sum-exp")
+  return _packed_attention(q, packed, attention, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths,
+                           keep_rotated=keep_rotated, overwrite_q=False, interpret=interpret, return_lse=True)
+
+
+def _packed_attention(q, packed, attention, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths, *, keep_rotated,
+                      overwrite_q, interpret, return_lse=False, out=None):
+  """Both entry points; ``out`` (a bf16 buffer aliased as the output) lets the tests
+  poison the output with NaN and see every element written."""
+  attention = Dense() if attention is None else attention
+  if not isinstance(attention, Dense):
+    raise ValueError(f"attention must be a Dense(...) config, got {attention!r}; Sol runs through sol_attention")
+  sm_scale, q_seg, kv_seg, kv_mask, kv_lengths = _validate(q, packed, attention.sm_scale, q_segment_ids,
                                                            kv_segment_ids, kv_mask, kv_lengths)
-  if block_q < 16 or block_q & (block_q - 1):
-    raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
-  if _out is not None and (_out.shape != q.shape or _out.dtype != jnp.bfloat16):
-    raise ValueError(f"_out must be bfloat16{list(q.shape)}, got {_out.dtype}{list(_out.shape)}")
-  if overwrite_q and _out is not None:
-    raise ValueError("overwrite_q and _out both name the output buffer; pass one")
+  if out is not None and (out.shape != q.shape or out.dtype != jnp.bfloat16):
+    raise ValueError(f"out must be bfloat16{list(q.shape)}, got {out.dtype}{list(out.shape)}")
   interpret = resolve_interpret(interpret)
   if not interpret and not on_gpu():
     raise ValueError("interpret=False needs a CUDA GPU, and JAX has none here "
                      f"(default backend {jax.default_backend()!r}); pass interpret=None or True on a CPU")
   masked = q_seg is not None or kv_mask is not None
-  if return_lse:
-    if method == "streamed":
-      raise ValueError("return_lse needs method='fused' (or 'auto'): the streamed path's cuDNN call "
-                       "returns no log-sum-exp")
-    method = "fused"
+  method = "fused" if return_lse else attention.method
   method, plan = resolve_method(method, q, packed, masked=masked, interpret=interpret,
-                                scratch_bytes=scratch_bytes)
+                                scratch_bytes=attention.scratch_bytes)
   if method == "streamed":
     call = _streamed_jit_donate_q if overwrite_q else _streamed_jit
-    return call(q, packed, _out, kv_lengths, sm_scale=sm_scale, keep_rotated=bool(keep_rotated),
+    return call(q, packed, out, kv_lengths, sm_scale=sm_scale, keep_rotated=bool(keep_rotated),
                 overwrite_q=bool(overwrite_q), plan=plan, interpret=interpret,
                 implementation="cudnn" if cudnn_unsupported_reason() is None and not interpret else None)
   kv_mask = _lengths_mask(kv_lengths, kv_mask, packed.meta.num_tokens)
+  # Donation is a property of the jitted function, hence a twin that donates q.
   call = _fused_jit_donate_q if overwrite_q else _fused_jit
-  return call(q, packed, q_seg, kv_seg, kv_mask, _out, sm_scale=sm_scale,
-              keep_rotated=bool(keep_rotated), interpret=interpret, block_q=int(block_q),
-              num_warps=num_warps, num_stages=num_stages, overwrite_q=bool(overwrite_q),
+  return call(q, packed, q_seg, kv_seg, kv_mask, out, sm_scale=sm_scale,
+              keep_rotated=bool(keep_rotated), interpret=interpret, block_q=int(attention.block_q),
+              num_warps=attention.num_warps, num_stages=attention.num_stages, overwrite_q=bool(overwrite_q),
               return_lse=bool(return_lse))

@@ -1,11 +1,11 @@
-"""The attention core of an H3-style block in one jitted call: streamed projection, then
-dense or Sol attention over the packed K/V, the output written over Q.
+"""The attention core of an attention block in one jitted call: streamed projection,
+then dense or Sol attention over the packed K/V, the output written over Q.
 
 Why one call: inside one XLA program Q is dead once attention has read it, so the
 output takes Q's buffer, and the packed K/V is a temporary that XLA frees when the
 call returns. The block then holds at most Q + the packed K/V + one bounded scratch
 at a time, never two Q-sized buffers (``required_bytes`` gives the figure). The torch
-module ``torch_bridge.PackedH3Attention`` calls this through one custom op and runs
+module ``torch_bridge.PackedAttention`` calls this through one custom op and runs
 ``o_proj`` on the result.
 """
 from __future__ import annotations
@@ -16,89 +16,65 @@ import jax
 import numpy as np
 
 from formats import packed_kv as fmt
+from formats.storage import KVStorage, as_storage
 from pallas_kernels import attention as dense
+from pallas_kernels import qkv_projection as sq
 from pallas_kernels import sol
-from pallas_kernels import projection as sq
+from pallas_kernels.attention_config import Dense, Sol, as_attention
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 
-__all__ = ["ATTENTIONS", "SOL_OPTIONS", "attention_layer", "required_bytes", "check_attention"]
-
-ATTENTIONS = ("dense", "sol")
-SOL_OPTIONS = ("tau", "sink_blocks", "sink_q", "topk_ratio", "tail", "max_exact", "method")
+__all__ = ["attention_layer", "check_attention", "required_bytes"]
 
 
-def _sol_kwargs(sol_options) -> dict:
-  opts = dict(sol_options or {})
-  unknown = set(opts) - set(SOL_OPTIONS)
-  if unknown:
-    raise ValueError(f"unknown sol_options {sorted(unknown)}; use {list(SOL_OPTIONS)}")
-  return opts
-
-
-_STATIC = ("layout", "block_classes", "k_scheme", "v_scheme", "rotation_seed_k", "rotation_seed_v", "attention",
-           "sm_scale", "sol_items", "scratch_bytes", "interpret")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _layer(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, q_segment_ids, kv_segment_ids,
-           kv_mask, kv_lengths, *, layout, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-           attention, sm_scale, sol_items, scratch_bytes, interpret):
-  q, packed = sq.streamed_qkv(
-      x, w_qkv, bias, layout=layout, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, rope_cos=rope_cos,
-      rope_sin=rope_sin, block_classes=block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
-      rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, interpret=interpret,
-      scratch_bytes=scratch_bytes)
-  if attention == "sol":
-    return sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
-                             scratch_bytes=scratch_bytes, **dict(sol_items))
-  return dense.packed_attention(q, packed, sm_scale=sm_scale, q_segment_ids=q_segment_ids,
-                                kv_segment_ids=kv_segment_ids, kv_mask=kv_mask, kv_lengths=kv_lengths,
-                                overwrite_q=True, interpret=interpret, scratch_bytes=scratch_bytes)
-
-
-def check_attention(attention, sol_options, masks) -> dict:
-  """The layer's attention choice checked once (the JAX API and the torch op both call
-  this); returns Sol's options."""
-  if attention not in ATTENTIONS:
-    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-  opts = _sol_kwargs(sol_options)
-  if attention == "sol" and any(a is not None for a in masks):
+def check_attention(attention, masks) -> Dense | Sol:
+  """The layer's attention config checked once (the JAX API and the torch op both call
+  this): ``Dense`` or ``Sol``; Sol takes no masks."""
+  attention = as_attention(attention)
+  if isinstance(attention, Sol) and any(a is not None for a in masks):
     raise ValueError("Sol attention takes no segment ids or key masks here (its diagonal assumes one "
-                     "sequence); use attention='dense'")
-  return opts
+                     "sequence); use attention=Dense(...)")
+  return attention
 
 
-def attention_layer(x, w_qkv, bias=None, *, layout: sq.QKVLayout, q_norm_weight=None, k_norm_weight=None,
-                    rope_cos, rope_sin, block_classes=None, k_scheme=fmt.DEFAULT_K_SCHEME,
-                    v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0, rotation_seed_v=1, attention="dense",
-                    sm_scale=None, q_segment_ids=None, kv_segment_ids=None, kv_mask=None, kv_lengths=None,
-                    sol_options=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES, interpret=None):
+@functools.partial(jax.jit, static_argnames=("layout", "meta", "attention", "interpret"))
+def _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, *, layout, meta, attention, interpret):
+  storage = KVStorage.of(meta)
+  q, packed = sq.streamed_qkv(x, weights, layout=layout, rope_cos=rope_cos, rope_sin=rope_sin, storage=storage,
+                              scratch_bytes=attention.scratch_bytes, interpret=interpret)
+  if isinstance(attention, Sol):
+    return sol.sol_attention(q, packed, attention, overwrite_q=True, interpret=interpret)
+  return dense.packed_attention(q, packed, attention, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                kv_mask=kv_mask, kv_lengths=kv_lengths, overwrite_q=True, interpret=interpret)
+
+
+def attention_layer(x, weights: QKVWeights, *, layout: QKVLayout, rope_cos, rope_sin, storage: KVStorage | None = None,
+                    attention: Dense | Sol | None = None, segment_ids=None, kv_mask=None, kv_lengths=None,
+                    interpret=None):
   """x (B, T, hidden) bf16 -> attention output (B, T, H, D) bf16, un-rotated.
 
-  The projection arguments are ``streamed_qkv``'s (``layout``: a ``QKVLayout``), the
-  masks ``packed_attention``'s (dense only), ``sol_options`` a dict of
-  ``sol_attention`` settings (``SOL_OPTIONS``). ``scratch_bytes`` bounds both the
-  projection's and the dense attention's scratch (they never run at the same time).
-  The caller's ``o_proj`` applies to the result reshaped to (B, T, H*D).
+  The projection arguments are ``streamed_qkv``'s (``weights`` a ``QKVWeights``,
+  ``layout`` a ``QKVLayout``, ``storage`` a ``formats.KVStorage``); ``attention`` is a
+  ``Dense(...)`` (default) or ``Sol(...)`` config. The masks are dense attention's
+  (self-attention: ``segment_ids`` (T,) or (B, T) int32 for queries and keys alike,
+  ``kv_mask`` (B, T) bool, ``kv_lengths`` (B,) int32). The config's ``scratch_bytes``
+  bounds both the projection's and the attention's scratch (they never run at the
+  same time). The caller's ``o_proj`` applies to the result reshaped to (B, T, H*D).
   """
-  opts = check_attention(attention, sol_options, (q_segment_ids, kv_segment_ids, kv_mask, kv_lengths))
-  sol_items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
-  classes = None if block_classes is None else tuple(int(c) for c in block_classes)
-  return _layer(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, q_segment_ids, kv_segment_ids,
-                kv_mask, kv_lengths, layout=layout, block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme,
-                rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v, attention=attention,
-                sm_scale=sm_scale, sol_items=sol_items, scratch_bytes=int(scratch_bytes), interpret=interpret)
+  attention = check_attention(attention, (segment_ids, kv_mask, kv_lengths))
+  meta = sq.check_inputs(x, weights, layout, rope_cos, rope_sin, storage)
+  return _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, layout=layout, meta=meta,
+                attention=attention, interpret=interpret)
 
 
-def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, *, batch: int = 1, block_classes=None,
-                   k_scheme: str = fmt.DEFAULT_K_SCHEME, v_scheme: str = fmt.DEFAULT_V_SCHEME,
-                   attention: str = "dense", scratch_bytes: int = sq.DEFAULT_SCRATCH_BYTES,
-                   sol_options=None) -> dict:
+def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 1, storage: KVStorage | None = None,
+                   attention: Dense | Sol | None = None) -> dict:
   """Device bytes the attention block needs above what the caller already holds (x,
   weights, RoPE tables), phase by phase, as the GPU path allocates them:
 
   * ``projection``: Q + packed K/V + one chunk of the chunked projection;
   * ``attention``: Q + packed K/V + the streamed path's head-group scratch (dense, a
-    cuDNN GPU) or Sol's routing metadata;
+    cuDNN GPU), or Sol's routing metadata, its routing chunk and (streamed methods)
+    one head group's decoded stores;
   * ``o_proj``: the attention output (in Q's buffer) + ``o_proj``'s output
     (B, T, hidden) bf16, allocated by torch once the packed K/V is freed.
 
@@ -106,31 +82,28 @@ def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, *, batch
   cuDNN) and the CUDA context are not in it; ``benchmarks/card_budget.py`` measures
   how far the device-level peak sits from it.
   """
-  if attention not in ATTENTIONS:
-    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-  if min(tokens, heads, head_dim, hidden, batch) <= 0:
-    raise ValueError(f"tokens, heads, head_dim, hidden and batch must be positive, got "
-                     f"{(tokens, heads, head_dim, hidden, batch)}")
-  classes = tuple(block_classes) if block_classes is not None else fmt.resolve_block_classes(tokens)
-  meta = fmt.PackedKVMeta(batch, heads, head_dim, tokens, classes, k_scheme, v_scheme)
+  attention = as_attention(attention)
+  storage = as_storage(storage)
+  if not isinstance(layout, QKVLayout):
+    raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
+  if min(tokens, hidden, batch) <= 0:
+    raise ValueError(f"tokens, hidden and batch must be positive, got {(tokens, hidden, batch)}")
+  heads, head_dim = layout.heads, layout.head_dim
+  meta = storage.meta(batch, heads, head_dim, tokens)
   q = batch * tokens * heads * head_dim * 2
   packed = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in fmt.buffer_specs(meta).values())
-  width = 3 * heads * head_dim
-  rows = sq.chunk_rows(tokens, hidden, width, scratch_bytes)
+  width = layout.width
+  rows = sq.chunk_rows(tokens, hidden, width, attention.scratch_bytes)
   projection = sq.chunk_scratch_bytes(rows, hidden, width) if rows >= fmt.BLOCK else 0
-  if attention == "dense":
-    plan = dense.streamed_plan(batch, tokens, tokens, heads, head_dim, scratch_bytes)
+  if isinstance(attention, Dense):
+    plan = dense.streamed_plan(batch, tokens, tokens, heads, head_dim, attention.scratch_bytes)
     attn = 0 if plan is None else plan.scratch
   else:
-    opts = _sol_kwargs(sol_options)
-    nb = meta.num_blocks
-    topk = float(opts.get("topk_ratio") or 0.0)
-    cap = opts.get("max_exact") or (sol.topk_count(nb, topk) + 3 if topk > 0 else sol.DEFAULT_MAX_EXACT_TAU)
-    attn = sol.routing_nbytes(batch, heads, tokens, head_dim, cap)["total"] + sol.DEFAULT_ROUTE_CHUNK_BYTES
-    qk = sol.STREAMED_QK.get(opts.get("method", "fused"))
-    if qk is not None:  # one head group's decoded K/V stores, q slice and output
-      group = sol.streamed_group(batch, tokens, heads, head_dim, scratch_bytes, qk)
-      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim, qk)
+    cap = sol.default_max_exact(meta.num_blocks, attention)
+    attn = sol.routing_nbytes(batch, heads, tokens, head_dim, cap)["total"] + attention.route_chunk_bytes
+    method, group = sol.resolve_method(attention, batch, tokens, heads, head_dim)
+    if group:
+      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim, sol.STREAMED_QK[method])
   out = batch * tokens * hidden * 2
   phases = {"projection": q + packed + projection, "attention": q + packed + attn, "o_proj": q + out}
   return {"q": q, "packed_kv": packed, "projection_scratch": projection, "attention_scratch": attn,

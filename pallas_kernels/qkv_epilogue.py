@@ -26,7 +26,7 @@ Kernel layout
 * A norm across heads needs each token's mean square over all H*D channels of q and
   of k, which no (head, block) program sees: the caller computes it per chunk in jnp
   (``across_head_mean_squares``, one reduction XLA fuses) and passes it as ``ms``.
-* The math is ``projection_ops``'s, shared with the fused kernel, so both methods
+* The math is ``qkv_ops``'s, shared with the fused kernel, so both methods
   give the same codes up to rounding ties (the GEMM's accumulation order differs).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from formats import packed_kv as fmt
 from pallas_kernels import rope
 from pallas_kernels.backend import NamedInputs
 from pallas_kernels.qkv_layout import QKVLayout, rms_norm_reference
-from pallas_kernels.projection_ops import (EpilogueConstants, add_bias, block_stats, class_array_names,
+from pallas_kernels.qkv_ops import (EpilogueConstants, add_bias, block_stats, class_array_names,
                                            norm_rope, rotate, store_class)
 
 BLOCK = fmt.BLOCK

@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot
-from pallas_kernels.projection_ops import (EpilogueConstants, add_bias, class_array_names, finish_block,
+from pallas_kernels.qkv_ops import (EpilogueConstants, add_bias, class_array_names, finish_block,
                                            norm_rope, rotate)
 
 BLOCK = fmt.BLOCK
@@ -220,17 +220,20 @@ def _class_out(meta, cls, n, nblk=1):
   return shapes, specs
 
 
-def check_tiles(heads, block_q, block_h, q_heads_per_program, kv_blocks_per_program):
-  """Raise ValueError on tile settings this kernel cannot run."""
+def check_tiles(block_q, block_h, q_heads_per_program, kv_blocks_per_program, num_warps, num_stages):
+  """Raise ValueError on tile settings this kernel cannot run (at ``ProjectionTuning``'s
+  construction; the head count is checked against ``q_heads_per_program`` per call)."""
   _pow2(block_q, "block_q")
   _pow2(block_h, "block_h")
   qh, nblk = q_heads_per_program, kv_blocks_per_program
   if qh not in (1, 2, 4):
     raise ValueError(f"q_heads_per_program must be 1, 2 or 4, got {qh!r}")
-  if heads % qh:
-    raise ValueError(f"q_heads_per_program={qh} must divide heads={heads}")
   if nblk not in (1, 2):
     raise ValueError(f"kv_blocks_per_program must be 1 or 2, got {nblk!r}")
+  if any(v not in (1, 2, 4, 8, 16) for v in _per_call(num_warps, DEFAULT_NUM_WARPS, "num_warps")):
+    raise ValueError(f"num_warps must be a power of two up to 16 (or a (q, kv) pair of them), got {num_warps!r}")
+  if any(not 1 <= v <= 8 for v in _per_call(num_stages, DEFAULT_NUM_STAGES, "num_stages")):
+    raise ValueError(f"num_stages must be in 1..8 (or a (q, kv) pair of them), got {num_stages!r}")
 
 
 def unsupported_layout_reason(layout) -> str | None:

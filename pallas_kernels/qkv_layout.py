@@ -130,3 +130,26 @@ def rms_norm_reference(x, weight, layout: QKVLayout):
     return x * jax.lax.rsqrt(ms + layout.eps) * w
   ms = jnp.mean(x * x, axis=(-2, -1), keepdims=True)
   return x * jax.lax.rsqrt(ms + layout.eps) * w.reshape(h, d)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class QKVWeights:
+  """The arrays of one attention block's QKV projection, as one value (a pytree).
+
+  w_qkv: (hidden, 3*H*D) bf16, columns [q heads | k heads | v heads].
+  bias: (3*H*D,) bf16 or f32, or None.
+  q_norm_weight / k_norm_weight: f32 QK-norm weights, (D,) per head or (H*D,) across
+  heads as the ``QKVLayout`` says; None without a norm.
+  """
+  w_qkv: object
+  bias: object = None
+  q_norm_weight: object = None
+  k_norm_weight: object = None
+
+  def tree_flatten(self):
+    return (self.w_qkv, self.bias, self.q_norm_weight, self.k_norm_weight), None
+
+  @classmethod
+  def tree_unflatten(cls, _, leaves):
+    return cls(*leaves)

@@ -10,7 +10,8 @@ devices. Inside one ``jax.shard_map`` program each device:
    K/V of all T tokens for H/P heads. This is the step where BF16 Ulysses (xDiT/USP,
    the layer users run today) sends K and V at 2 bytes a value; the packed K/V moves
    about 4.625 bits a value, format v2 (``wire_bytes``);
-3. runs the single-device dense or Sol attention on its heads, unchanged;
+3. runs the single-device dense or Sol attention on its heads, unchanged (the
+   ``attention`` config, ``Dense(...)`` or ``Sol(...)``, as ``layer.attention_layer``);
 4. sends O back to token shards with a second ``all_to_all``.
 
 Shapes under shard_map are the same on every device, and the format's stores are not:
@@ -25,10 +26,16 @@ so every device's blocks are whole global blocks.
 Heads must divide by P (H3's 56 heads: P in 1, 2, 4, 7, 8, 14, 28, 56); otherwise a
 ValueError says which P would work, and ``ring_attention_layer`` takes any P: each
 device keeps its Q and its token rows, the packed K/V shards travel the ring with
-``ppermute`` (P - 1 hops), each is attended by the fused kernel with
-``return_lse=True``, and the partial outputs merge through their log-sum-exp. Ring is
-dense only (Sol routes over the whole sequence) and runs the fused kernel, not cuDNN
-(jax's public cuDNN call returns no log-sum-exp); it is not combined with Ulysses.
+``ppermute`` (P - 1 hops), each is attended by ``packed_attention_lse`` (the fused
+kernel, which also returns each row's log-sum-exp), and the partial outputs merge
+through their log-sum-exp. Ring is dense only (Sol routes over the whole sequence: a
+``Sol`` config raises) and runs the fused kernel, not cuDNN (jax's public cuDNN call
+returns no log-sum-exp); it is not combined with Ulysses.
+
+Inputs are ``layer.attention_layer``'s: ``weights`` a ``QKVWeights``, ``layout`` a
+``QKVLayout``, ``storage`` a ``formats.KVStorage`` (resolved once to the global block
+classes for T, then cut per device), ``attention`` a ``Dense`` / ``Sol`` whose
+``scratch_bytes`` bounds each device's projection and attention scratch.
 """
 from __future__ import annotations
 
@@ -41,11 +48,14 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from formats import packed_kv as fmt
+from formats.storage import KVStorage, as_storage, class_id
 from pallas_kernels import attention as dense
 from pallas_kernels import backend
-from pallas_kernels import projection as sq
+from pallas_kernels import qkv_projection as sq
 from pallas_kernels import sol
-from pallas_kernels.layer import ATTENTIONS, _sol_kwargs
+from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense, Sol, as_attention
+from pallas_kernels.layer import check_attention
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 
 __all__ = ["UlyssesPlan", "ring_attention_layer", "ulysses_attention_layer", "ulysses_plan", "ulysses_qkv",
            "wire_bytes"]
@@ -84,11 +94,13 @@ class UlyssesPlan:
 
 
 def ulysses_plan(num_tokens: int, devices: int, block_classes=None) -> UlyssesPlan:
-  """The plan for T tokens on ``devices`` devices; ``block_classes`` as ``streamed_qkv``."""
+  """The plan for T tokens on ``devices`` devices; ``block_classes`` one class (name or
+  id) per 64-token block of the whole sequence, e.g. ``KVStorage.classes_for(T)``
+  (None: every block int4)."""
   if num_tokens <= 0 or devices <= 0:
     raise ValueError(f"num_tokens and devices must be positive, got {num_tokens}, {devices}")
   nb = -(-num_tokens // BLOCK)
-  classes = (0,) * nb if block_classes is None else tuple(int(c) for c in block_classes)
+  classes = (0,) * nb if block_classes is None else tuple(class_id(c) for c in block_classes)
   if len(classes) != nb:
     raise ValueError(f"block_classes has {len(classes)} entries, need {nb} for T = {num_tokens}")
   per = -(-nb // devices)
@@ -133,7 +145,7 @@ def _pad_axis(a, axis, size):
   return jnp.pad(a, pad)
 
 
-def _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, *, plan, proj, axis_name):
+def _local_projection(x, cos, sin, weights: QKVWeights, *, plan, proj, axis_name):
   """This device's rows -> (Q (B, S, H, D), {name: padded store}), via one switch branch
   per distinct local class map."""
   b, s, _ = x.shape
@@ -146,9 +158,9 @@ def _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, *,
         arrays = {n: jnp.zeros(_padded_shape(shape, n, meta, plan), dt)
                   for n, (shape, dt) in fmt.buffer_specs(meta).items()}
         return q, arrays
-      q, packed = sq.streamed_qkv(x[:, :tokens], w_qkv, bias, q_norm_weight=q_norm_weight,
-                                  k_norm_weight=k_norm_weight, rope_cos=cos[:tokens], rope_sin=sin[:tokens],
-                                  block_classes=classes, **proj.kwargs())
+      q, packed = sq.streamed_qkv(x[:, :tokens], weights, layout=proj.layout, rope_cos=cos[:tokens],
+                                  rope_sin=sin[:tokens], storage=proj.storage(classes),
+                                  scratch_bytes=proj.scratch_bytes, interpret=proj.interpret)
       arrays = {n: _pad_axis(a, *_extent(plan, n, packed.meta)) for n, a in packed.arrays.items()}
       return _pad_axis(q, 1, s), arrays
     return run
@@ -184,8 +196,10 @@ def _gather_tokens(arrays: dict, plan: UlyssesPlan, meta: fmt.PackedKVMeta) -> d
 
 @dataclasses.dataclass(frozen=True)
 class _Proj:
-  """The static settings of the local projection (``streamed_qkv``'s keywords)."""
-  layout: sq.QKVLayout
+  """The static settings of the local projection (``streamed_qkv``'s keywords), the
+  storage resolved to plain hashable values: its block classes travel separately (the
+  global map, cut per device), its schemes and seeds here."""
+  layout: QKVLayout
   k_scheme: str
   v_scheme: str
   rotation_seed_k: int
@@ -201,8 +215,10 @@ class _Proj:
   def head_dim(self) -> int:
     return self.layout.head_dim
 
-  def kwargs(self) -> dict:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+  def storage(self, classes) -> KVStorage:
+    """The ``KVStorage`` of a token range whose blocks have ``classes``."""
+    return KVStorage(block_classes=classes, k_scheme=self.k_scheme, v_scheme=self.v_scheme,
+                     rotation_seed_k=self.rotation_seed_k, rotation_seed_v=self.rotation_seed_v)
 
   def meta(self, batch, heads, tokens, classes) -> fmt.PackedKVMeta:
     return fmt.PackedKVMeta(batch, heads, self.head_dim, tokens, classes, self.k_scheme, self.v_scheme,
@@ -217,38 +233,37 @@ def _token_shards(x, rope_cos, rope_sin, devices, block_classes):
   return plan, rows, pad(x, 1), pad(rope_cos.astype(jnp.float32), 0), pad(rope_sin.astype(jnp.float32), 0)
 
 
-def _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
-  """``body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight)`` per device under
-  shard_map: x, cos and sin split by tokens, the rest replicated. An optional input
-  that is None crosses as an empty array and reaches ``body`` as None again."""
-  optional = [a is not None for a in (bias, q_norm_weight, k_norm_weight)]
+def _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, weights: QKVWeights):
+  """``body(x, cos, sin, weights)`` per device under shard_map: x, cos and sin split by
+  tokens, the weights replicated. An optional weight that is None crosses as an empty
+  array and reaches ``body`` as None again."""
+  leaves = (weights.w_qkv, weights.bias, weights.q_norm_weight, weights.k_norm_weight)
+  given = [a is not None for a in leaves]
   rep = P()
 
-  def local(x, c, s, w, *opt):
-    return body(x, c, s, w, *(a if given else None for a, given in zip(opt, optional)))
+  def local(x, c, s, *arrays):
+    return body(x, c, s, QKVWeights(*(a if g else None for a, g in zip(arrays, given))))
   shard = jax.shard_map(local, mesh=mesh, check_vma=False, out_specs=out_specs,
                         in_specs=(P(None, axis_name), P(axis_name), P(axis_name), rep, rep, rep, rep))
   empty = jnp.zeros((0,), jnp.float32)
-  return shard(x, cos, sin, w_qkv, *(empty if a is None else a for a in (bias, q_norm_weight, k_norm_weight)))
+  return shard(x, cos, sin, *(a if g else empty for a, g in zip(leaves, given)))
 
 
-_STATIC = ("mesh", "axis_name", "block_classes", "proj", "attention", "sm_scale", "sol_items")
+_STATIC = ("mesh", "axis_name", "block_classes", "proj", "attention")
 
 
-def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, mesh, axis_name, block_classes,
-             proj: _Proj, attention, sm_scale, sol_items):
+def _sharded(x, weights, rope_cos, rope_sin, *, mesh, axis_name, block_classes, proj: _Proj, attention):
   """The shard_map program. attention None: stop after the exchange and return
-  (Q (B, T, H, D) and the packed arrays, sharded by heads); else the layer's output
-  (B, T, H, D) sharded by tokens."""
+  (Q (B, T, H, D) and the packed arrays, sharded by heads); else (a ``Dense`` or
+  ``Sol``) the layer's output (B, T, H, D) sharded by tokens."""
   devices = mesh.shape[axis_name]
   b, t, _ = x.shape
   heads, interpret = proj.heads, proj.interpret
   plan, rows, x, cos, sin = _token_shards(x, rope_cos, rope_sin, devices, block_classes)
   local_meta = proj.meta(b, heads // devices, t, plan.block_classes)
 
-  def body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
-    q, arrays = _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, plan=plan, proj=proj,
-                                  axis_name=axis_name)
+  def body(x, cos, sin, weights):
+    q, arrays = _local_projection(x, cos, sin, weights, plan=plan, proj=proj, axis_name=axis_name)
     # Tokens -> heads. Every packed array is (B, H, ...): heads split, slot axis gathered.
     a2a = functools.partial(jax.lax.all_to_all, axis_name=axis_name, tiled=True)
     q = a2a(q, split_axis=2, concat_axis=1)[:, :t]                       # (B, T, H/P, D)
@@ -256,19 +271,17 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
     packed = fmt.PackedKV(local_meta, _gather_tokens(arrays, plan, local_meta))
     if attention is None:
       return q, packed.arrays
-    if attention == "sol":
-      o = sol.sol_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
-                            scratch_bytes=proj.scratch_bytes, **dict(sol_items))
+    if isinstance(attention, Sol):
+      o = sol.sol_attention(q, packed, attention, overwrite_q=True, interpret=interpret)
     else:
-      o = dense.packed_attention(q, packed, sm_scale=sm_scale, overwrite_q=True, interpret=interpret,
-                                 scratch_bytes=proj.scratch_bytes)
+      o = dense.packed_attention(q, packed, attention, overwrite_q=True, interpret=interpret)
     # Heads -> tokens.
     return a2a(_pad_axis(o, 1, rows), split_axis=1, concat_axis=2)       # (B, S, H, D)
 
   by_heads = P(None, axis_name)                                          # packed arrays: (B, H, ...)
   out_specs = ((P(None, None, axis_name), {n: by_heads for n in fmt.ARRAY_NAMES}) if attention is None
                else P(None, axis_name))
-  out = _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight)
+  out = _shard_call(body, mesh, axis_name, out_specs, x, cos, sin, weights)
   if attention is None:
     q, arrays = out
     return q, fmt.PackedKV(proj.meta(b, heads, t, plan.block_classes), arrays)
@@ -278,75 +291,62 @@ def _sharded(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *
 _sharded_jit = jax.jit(_sharded, static_argnames=_STATIC)
 
 
-def _proj(layout, *, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, interpret, scratch_bytes) -> _Proj:
-  if not isinstance(layout, sq.QKVLayout):
-    raise ValueError(f"layout must be a QKVLayout, got {type(layout).__name__}")
-  return _Proj(layout, k_scheme, v_scheme, int(rotation_seed_k), int(rotation_seed_v),
-               backend.resolve_interpret(interpret), int(scratch_bytes))
-
-
-def _check_mesh_and_x(mesh, axis_name, x):
+def _resolve(x, weights, layout, rope_cos, rope_sin, storage, mesh, axis_name, *, interpret, scratch_bytes):
+  """The one-device checks (``streamed_qkv``'s, on the whole sequence) and the mesh's;
+  returns (the global block classes, the projection's static settings). The storage is
+  resolved here, before jit: a ``KVStorage`` holding a ``PrecisionPolicy`` is no
+  reliable static argument, its block classes, schemes and seeds are."""
   if axis_name not in mesh.shape:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
-  if x.ndim != 3 or x.shape[0] == 0 or x.shape[1] == 0:
-    raise ValueError(f"x must be (B, T, hidden) with B, T >= 1, got shape {tuple(x.shape)}")
+  if getattr(x, "ndim", None) != 3 or x.shape[0] == 0 or x.shape[1] == 0:
+    raise ValueError(f"x must be (B, T, hidden) with B, T >= 1, got shape {tuple(getattr(x, 'shape', ()))}")
+  meta = sq.check_inputs(x, weights, layout, rope_cos, rope_sin, storage)
+  proj = _Proj(layout, meta.k_scheme, meta.v_scheme, meta.rotation_seed_k, meta.rotation_seed_v,
+               backend.resolve_interpret(interpret), int(scratch_bytes))
+  return tuple(int(c) for c in meta.block_classes), proj
 
 
-def _checked_call(x, w_qkv, bias, *, mesh, axis_name, layout, block_classes, attention, sol_options, sm_scale,
-                  q_norm_weight, k_norm_weight, rope_cos, rope_sin, **proj_kw):
-  if attention not in ATTENTIONS + (None,):
-    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-  _check_mesh_and_x(mesh, axis_name, x)
-  proj = _proj(layout, **proj_kw)
-  heads = proj.heads
-  devices = mesh.shape[axis_name]
+def _check_heads(heads, devices):
   if heads % devices:
     good = [p for p in range(1, heads + 1) if heads % p == 0]
     raise ValueError(f"Ulysses splits heads over the devices: heads={heads} is not divisible by "
                      f"P={devices}; use a mesh axis of size in {good} (or ring_attention_layer)")
-  opts = _sol_kwargs(sol_options)
-  sol_items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
-  classes = None if block_classes is None else tuple(int(c) for c in block_classes)
-  return _sharded_jit(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, mesh=mesh,
-                      axis_name=axis_name, block_classes=classes, proj=proj, attention=attention, sm_scale=sm_scale,
-                      sol_items=sol_items)
 
 
-def ulysses_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, layout: sq.QKVLayout,
-                            q_norm_weight=None, k_norm_weight=None, rope_cos, rope_sin, block_classes=None,
-                            k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0,
-                            rotation_seed_v=1, attention="dense", sm_scale=None, sol_options=None,
-                            scratch_bytes=sq.DEFAULT_SCRATCH_BYTES, interpret=None):
+def ulysses_attention_layer(x, weights: QKVWeights, *, mesh: Mesh, axis_name: str, layout: QKVLayout, rope_cos,
+                            rope_sin, storage: KVStorage | None = None, attention: Dense | Sol | None = None,
+                            interpret=None):
   """``layer.attention_layer`` over the ``axis_name`` axis of ``mesh``, tokens sharded.
 
   x (B, T, hidden) bf16 (any T >= 1; the layer pads to whole blocks per device),
-  rope tables with T rows, the rest as ``attention_layer`` (no masks: one sequence
-  per batch row). Returns (B, T, H, D) bf16, un-rotated, sharded by tokens over
-  ``axis_name``; equal to the single-device layer (same codes, the same attention per
-  head). ``scratch_bytes`` bounds each device's projection and attention scratch.
+  rope tables with T rows, ``weights`` / ``layout`` / ``storage`` / ``attention`` as
+  ``attention_layer`` (no masks: one sequence per batch row; ``storage`` describes the
+  whole sequence of T tokens). Returns (B, T, H, D) bf16, un-rotated, sharded by tokens
+  over ``axis_name``; equal to the single-device layer (same codes, the same attention
+  per head). ``attention.scratch_bytes`` bounds each device's projection and attention
+  scratch.
   """
-  return _checked_call(x, w_qkv, bias, mesh=mesh, axis_name=axis_name, q_norm_weight=q_norm_weight,
-                       k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin, layout=layout,
-                       block_classes=block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
-                       rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v,
-                       attention=attention, sm_scale=sm_scale, sol_options=sol_options,
-                       scratch_bytes=scratch_bytes, interpret=interpret)
+  attention = check_attention(attention, ())
+  classes, proj = _resolve(x, weights, layout, rope_cos, rope_sin, storage, mesh, axis_name, interpret=interpret,
+                           scratch_bytes=attention.scratch_bytes)
+  _check_heads(layout.heads, mesh.shape[axis_name])
+  return _sharded_jit(x, weights, rope_cos, rope_sin, mesh=mesh, axis_name=axis_name, block_classes=classes,
+                      proj=proj, attention=attention)
 
 
-def ulysses_qkv(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, layout: sq.QKVLayout, q_norm_weight=None,
-                k_norm_weight=None, rope_cos, rope_sin, block_classes=None, k_scheme=fmt.DEFAULT_K_SCHEME,
-                v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0, rotation_seed_v=1,
-                scratch_bytes=sq.DEFAULT_SCRATCH_BYTES, interpret=None):
+def ulysses_qkv(x, weights: QKVWeights, *, mesh: Mesh, axis_name: str, layout: QKVLayout, rope_cos, rope_sin,
+                storage: KVStorage | None = None, scratch_bytes=DEFAULT_SCRATCH_BYTES, interpret=None):
   """The layer's first half, for callers with their own attention: ``streamed_qkv`` on
   token shards, then the exchange. Returns (Q (B, T, H, D) bf16, PackedKV of all T
   tokens and H heads), both sharded by heads over ``axis_name``: the same values
-  ``streamed_qkv`` gives on one device."""
-  return _checked_call(x, w_qkv, bias, mesh=mesh, axis_name=axis_name, q_norm_weight=q_norm_weight,
-                       k_norm_weight=k_norm_weight, rope_cos=rope_cos, rope_sin=rope_sin, layout=layout,
-                       block_classes=block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
-                       rotation_seed_k=rotation_seed_k, rotation_seed_v=rotation_seed_v,
-                       attention=None, sm_scale=None, sol_options=None, scratch_bytes=scratch_bytes,
-                       interpret=interpret)
+  ``streamed_qkv`` gives on one device (arguments as there, plus the mesh)."""
+  if not isinstance(scratch_bytes, (int, np.integer)) or isinstance(scratch_bytes, bool) or scratch_bytes < 0:
+    raise ValueError(f"scratch_bytes must be a non-negative int (bytes), got {scratch_bytes!r}")
+  classes, proj = _resolve(x, weights, layout, rope_cos, rope_sin, storage, mesh, axis_name, interpret=interpret,
+                           scratch_bytes=scratch_bytes)
+  _check_heads(layout.heads, mesh.shape[axis_name])
+  return _sharded_jit(x, weights, rope_cos, rope_sin, mesh=mesh, axis_name=axis_name, block_classes=classes,
+                      proj=proj, attention=None)
 
 
 def _cut_local(arrays: dict, plan: UlyssesPlan, device: int, meta: fmt.PackedKVMeta) -> dict:
@@ -358,11 +358,10 @@ def _cut_local(arrays: dict, plan: UlyssesPlan, device: int, meta: fmt.PackedKVM
   return out
 
 
-_RING_STATIC = ("mesh", "axis_name", "block_classes", "proj", "sm_scale")
+_RING_STATIC = ("mesh", "axis_name", "block_classes", "proj", "attention")
 
 
-def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, mesh, axis_name, block_classes,
-          proj: _Proj, sm_scale):
+def _ring(x, weights, rope_cos, rope_sin, *, mesh, axis_name, block_classes, proj: _Proj, attention: Dense):
   devices = mesh.shape[axis_name]
   b, t, _ = x.shape
   heads, interpret = proj.heads, proj.interpret
@@ -379,14 +378,13 @@ def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, m
       if tokens == 0:  # an empty shard: nothing to attend
         return jnp.zeros(q.shape, jnp.bfloat16), jnp.full((b, heads, q.shape[1]), -jnp.inf, jnp.float32)
       packed = fmt.PackedKV(proj.meta(b, heads, tokens, classes), _cut_local(arrays, plan, device, any_meta))
-      return dense.packed_attention(q, packed, sm_scale=sm_scale, interpret=interpret, return_lse=True)
+      return dense.packed_attention_lse(q, packed, attention, interpret=interpret)
     return run
 
   branches = [attend_from(dev) for dev in sources]
 
-  def body(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight):
-    q, arrays = _local_projection(x, cos, sin, w_qkv, bias, q_norm_weight, k_norm_weight, plan=plan, proj=proj,
-                                  axis_name=axis_name)
+  def body(x, cos, sin, weights):
+    q, arrays = _local_projection(x, cos, sin, weights, plan=plan, proj=proj, axis_name=axis_name)
     me = jax.lax.axis_index(axis_name)
     which = jnp.asarray(branch_of, jnp.int32)
     shift = [(j, (j + 1) % devices) for j in range(devices)]
@@ -413,39 +411,46 @@ def _ring(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, *, m
     o_acc, _ = attend(devices - 1, o_acc, lse_acc, arrays)
     return o_acc.astype(jnp.bfloat16)
 
-  return _shard_call(body, mesh, axis_name, P(None, axis_name), x, cos, sin, w_qkv, bias, q_norm_weight,
-                     k_norm_weight)[:, :t]
+  return _shard_call(body, mesh, axis_name, P(None, axis_name), x, cos, sin, weights)[:, :t]
 
 
 _ring_jit = jax.jit(_ring, static_argnames=_RING_STATIC)
 
 
-def ring_attention_layer(x, w_qkv, bias=None, *, mesh: Mesh, axis_name: str, layout: sq.QKVLayout,
-                         q_norm_weight=None, k_norm_weight=None, rope_cos, rope_sin, block_classes=None,
-                         k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME, rotation_seed_k=0,
-                         rotation_seed_v=1, sm_scale=None, scratch_bytes=sq.DEFAULT_SCRATCH_BYTES,
-                         interpret=None):
+def ring_attention_layer(x, weights: QKVWeights, *, mesh: Mesh, axis_name: str, layout: QKVLayout, rope_cos,
+                         rope_sin, storage: KVStorage | None = None, attention: Dense | None = None, interpret=None):
   """The dense layer with ring attention over ``axis_name``: any number of devices P
   (heads need not divide). Each device projects its token shard, keeps its Q and
   passes its packed K/V shard around the ring with ``ppermute`` (P - 1 hops), attending
-  each shard with the fused kernel, which returns the log-sum-exp that merges the
-  partial outputs. Arguments and output as ``ulysses_attention_layer`` (dense only:
-  Sol routes over the whole sequence at once)."""
-  _check_mesh_and_x(mesh, axis_name, x)
-  proj = _proj(layout, k_scheme=k_scheme, v_scheme=v_scheme, rotation_seed_k=rotation_seed_k,
-               rotation_seed_v=rotation_seed_v, interpret=interpret, scratch_bytes=scratch_bytes)
-  classes = None if block_classes is None else tuple(int(c) for c in block_classes)
-  return _ring_jit(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, mesh=mesh, axis_name=axis_name,
-                   block_classes=classes, proj=proj, sm_scale=sm_scale)
+  each shard with ``packed_attention_lse`` (the fused kernel), whose log-sum-exp merges
+  the partial outputs. Arguments and output as ``ulysses_attention_layer``, dense only:
+  ``attention`` a ``Dense`` (None: ``Dense()``; its ``sm_scale``, fused tiles and
+  ``scratch_bytes``, which bounds the projection's scratch), not
+  ``Dense(method="streamed")``; Sol routes over the whole sequence at once and raises
+  (use ``ulysses_attention_layer``)."""
+  attention = as_attention(attention)
+  if isinstance(attention, Sol):
+    raise ValueError("ring_attention_layer is dense only (Sol routes over the whole sequence at once); "
+                     "use ulysses_attention_layer for Sol(...)")
+  if attention.method == "streamed":
+    raise ValueError("ring_attention_layer merges shards by their log-sum-exp, which only the fused kernel "
+                     "returns; use Dense(method='fused') or 'auto'")
+  classes, proj = _resolve(x, weights, layout, rope_cos, rope_sin, storage, mesh, axis_name, interpret=interpret,
+                           scratch_bytes=attention.scratch_bytes)
+  return _ring_jit(x, weights, rope_cos, rope_sin, mesh=mesh, axis_name=axis_name, block_classes=classes, proj=proj,
+                   attention=attention)
 
 
-def wire_bytes(num_tokens: int, heads: int, head_dim: int, devices: int, *, batch: int = 1, block_classes=None,
-               k_scheme=fmt.DEFAULT_K_SCHEME, v_scheme=fmt.DEFAULT_V_SCHEME) -> dict:
+def wire_bytes(num_tokens: int, heads: int, head_dim: int, devices: int, *, batch: int = 1,
+               storage: KVStorage | None = None) -> dict:
   """Bytes one layer puts on the wire, all devices together, the padding each device
-  sends included. Ulysses: ours (Q bf16 + packed K/V out, O bf16 back) against BF16
-  Ulysses (Q, K, V bf16 out, O back); a device keeps 1/P of what it sends. Ring
-  (``ring_*``): the K/V shards' P - 1 hops, packed against bf16."""
-  plan = ulysses_plan(num_tokens, devices, block_classes)
+  sends included, for a K/V stored as ``storage`` (None: every block int4). Ulysses:
+  ours (Q bf16 + packed K/V out, O bf16 back) against BF16 Ulysses (Q, K, V bf16 out,
+  O back); a device keeps 1/P of what it sends. Ring (``ring_*``): the K/V shards'
+  P - 1 hops, packed against bf16."""
+  storage = as_storage(storage)
+  plan = ulysses_plan(num_tokens, devices, storage.classes_for(num_tokens) if num_tokens > 0 else None)
+  k_scheme, v_scheme = storage.k_scheme, storage.v_scheme
   keep = (devices - 1) / devices
   s = plan.shard_tokens
   bf16_one = batch * s * heads * head_dim * 2                            # one (B, S, H, D) bf16 shard

@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from formats import packed_kv as fmt
 from pallas_kernels.backend import M_INIT, NamedInputs, quantize_rows_int8, split_bf16
 from pallas_kernels.backend import dot as _dot
+from pallas_kernels.sol_routing import pooled_step, walk_exact_blocks
 
 BLOCK = fmt.BLOCK
 QK_PRECISIONS = ("bf16", "int8")
@@ -122,29 +123,9 @@ def _kernel(*refs, names, cfg: LoopConfig):
   carry = (jnp.full((BLOCK,), M_INIT, jnp.float32), jnp.zeros((BLOCK,), jnp.float32),
            jnp.zeros((BLOCK, d), jnp.float32))
   nb = cfg.num_blocks
-  s0, s1 = cfg.sink_blocks
-  q0, q1 = cfg.sink_q
   blocks_ref = r["blocks"]
-  cap = blocks_ref.shape[-1]
-  count = r["counts"][qb]
-  n_pool_tiles = pl.cdiv(nb, BLOCK)
-  if q1 > q0:  # a sink_q block walks every key block; any other the sink range then its list
-    dense_row = (qb >= q0) & (qb < q1)
-    first = jnp.where(dense_row, jnp.int32(0), jnp.int32(s0))
-    last = jnp.where(dense_row, jnp.int32(nb), jnp.int32(s1))
-    carry = lax.fori_loop(first, last, exact_tile, carry)
-    count = jnp.where(dense_row, jnp.int32(0), count)
-    n_pool_tiles = jnp.where(dense_row, jnp.int32(0), jnp.int32(n_pool_tiles))
-  elif s1 > s0:
-    carry = lax.fori_loop(s0, s1, exact_tile, carry)
-
-  def listed(e, state):
-    carry, blk = state
-    # The next entry is read before this tile's dots, so its latency hides behind them.
-    nxt = blocks_ref[qb, jnp.minimum(e + 1, cap - 1)].astype(jnp.int32)
-    return exact_tile(blk, carry), nxt
-
-  carry, _ = lax.fori_loop(0, count, listed, (carry, blocks_ref[qb, 0].astype(jnp.int32)))
+  carry, count, n_pool_tiles = walk_exact_blocks(exact_tile, carry, blocks_ref, r["counts"], qb, num_blocks=nb,
+                                                 sink_blocks=cfg.sink_blocks, sink_q=cfg.sink_q)
 
   if cfg.tail:
     cen = r["cen"][qb, :]
@@ -159,22 +140,8 @@ def _kernel(*refs, names, cfg: LoopConfig):
       tmask = jnp.broadcast_to(in_range[:, None], (BLOCK, d))
       km = plgpu.load(r["km"].at[tiles, :], mask=tmask, other=0.0).astype(jnp.float32)
       s = ((km * cen[None, :]).sum(-1) - c_kg) * qks
-      # The list is ascending: this tile's entries sit in the 64-wide window at ptr.
-      window = ptr + ar
-      lst = plgpu.load(blocks_ref.at[qb, pl.ds(ptr, BLOCK)], mask=window < count, other=-1).astype(jnp.int32)
-      hit = (lst[:, None] == bids[None, :]).astype(jnp.int32).max(axis=0) > 0
-      hit = hit | ((bids >= s0) & (bids < s1))
-      s = jnp.where(in_range & ~hit, s, -jnp.inf)
-      ptr = ptr + ((lst >= 0) & (lst < (t + 1) * BLOCK)).astype(jnp.int32).sum()
-      if cfg.has_block_len:
-        weight = plgpu.load(r["lens"].at[tiles], mask=in_range, other=0).astype(jnp.float32)
-      else:
-        weight = jnp.clip(cfg.num_tokens - bids * BLOCK, 0, BLOCK).astype(jnp.float32)
-      m_new = jnp.maximum(m, s.max())
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s[None, :] - m_new[:, None])
-      l = l * alpha + (p * weight[None, :]).sum(axis=-1)
-      pb = p.astype(jnp.bfloat16)
+      m_new, alpha, pb, l, ptr = pooled_step(s, m, l, blocks_ref, r.get("lens"), qb, t, ptr, count, num_blocks=nb,
+                                             num_tokens=cfg.num_tokens, sink_blocks=cfg.sink_blocks)
       vs_hi, vs_lo = split_bf16(plgpu.load(r["vs"].at[tiles, :], mask=tmask, other=0.0))
       acc = acc * alpha[:, None] + _dot(pb, vs_hi) + _dot(pb, vs_lo)
       return (m_new, l, acc), ptr

@@ -1,5 +1,6 @@
 import os
 import sys
+import warnings
 
 # JAX must not preallocate GPU memory that torch (bridge tests) needs; set before jax starts.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -18,6 +19,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid in _SLOW:
       item.add_marker(pytest.mark.slow)
+  if not any("::" in arg for arg in config.args):   # whole files collected: an id missing from them is stale
+    ids = {item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in ids}
+    stale = sorted(i for i in _SLOW if i.split("::")[0] in files and i not in ids)
+    if stale:
+      warnings.warn(pytest.PytestWarning("tests/slow_tests.txt names tests that do not exist (renamed?), "
+                                         "so they are not marked slow: " + ", ".join(stale)))
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="gpu marker: no CUDA GPU visible to JAX on this machine; "

@@ -26,9 +26,10 @@ def _worker(case: dict) -> dict:
 def _worker_on(case: dict, mesh) -> dict:
   import jax.numpy as jnp
 
+  from formats import KVStorage
   from formats import packed_kv as fmt
-  from pallas_kernels import layer, rope
-  from pallas_kernels import projection as sq
+  from pallas_kernels import Dense, QKVLayout, QKVWeights, Sol, layer, rope
+  from pallas_kernels import qkv_projection as sq
   from pallas_kernels import sequence_parallel as sp
 
   t, h, d, hidden, rot, devices = (case[k] for k in ("tokens", "heads", "head_dim", "hidden", "rot_dim", "devices"))
@@ -37,27 +38,28 @@ def _worker_on(case: dict, mesh) -> dict:
   w = jnp.asarray(rng.normal(size=(hidden, 3 * h * d)) / np.sqrt(hidden), jnp.bfloat16)
   bias = jnp.asarray(0.1 * rng.normal(size=3 * h * d), jnp.bfloat16) if case["bias"] else None
   cos, sin = rope.rope_tables(np.arange(t)[:, None] * 1e4 ** (-np.arange(rot // 2) / (rot // 2)), d)
-  classes = fmt.resolve_block_classes(t, [tuple(r) for r in case["ranges"]]) if case["ranges"] else None
-  kw = dict(q_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
-            k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32), rope_cos=cos, rope_sin=sin,
-            layout=sq.QKVLayout.h3(h, d, rot), block_classes=classes, interpret=case.get("interpret", True))
-  rec = {"plan": sp.ulysses_plan(t, devices, classes).local_tokens}
+  storage = KVStorage(token_ranges=[tuple(r) for r in case["ranges"]]) if case["ranges"] else None
+  weights = QKVWeights(w, bias, q_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32),
+                       k_norm_weight=jnp.asarray(1 + 0.1 * rng.normal(size=d), jnp.float32))
+  kw = dict(rope_cos=cos, rope_sin=sin, layout=QKVLayout.h3(h, d, rot), storage=storage,
+            interpret=case.get("interpret", True))
+  rec = {"plan": sp.ulysses_plan(t, devices, None if storage is None else storage.classes_for(t)).local_tokens}
   if case.get("ring"):
-    ref = layer.attention_layer(x, w, bias, **kw)
-    out = sp.ring_attention_layer(x, w, bias, mesh=mesh, axis_name="sp", **kw)
+    ref = layer.attention_layer(x, weights, **kw)
+    out = sp.ring_attention_layer(x, weights, mesh=mesh, axis_name="sp", **kw)
     a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     rec.update(out_shape=list(out.shape), out_spec=list(out.sharding.spec), out_finite=bool(np.isfinite(a).all()),
                out_rel_l2=float(np.linalg.norm(a - b) / np.linalg.norm(b)))
     return rec
   if case.get("expect_error"):
     try:
-      sp.ulysses_attention_layer(x, w, bias, mesh=mesh, axis_name="sp", **kw)
+      sp.ulysses_attention_layer(x, weights, mesh=mesh, axis_name="sp", **kw)
       rec["error"] = None
     except ValueError as e:
       rec["error"] = str(e)
     return rec
-  q1, p1 = sq.streamed_qkv(x, w, bias, **kw)
-  q2, p2 = sp.ulysses_qkv(x, w, bias, mesh=mesh, axis_name="sp", **kw)
+  q1, p1 = sq.streamed_qkv(x, weights, **kw)
+  q2, p2 = sp.ulysses_qkv(x, weights, mesh=mesh, axis_name="sp", **kw)
   rec["q_equal"] = bool((np.asarray(q1, np.float32) == np.asarray(q2, np.float32)).all())
   rec["q_spec"] = list(q2.sharding.spec)
   rec["arrays"] = {}
@@ -65,10 +67,10 @@ def _worker_on(case: dict, mesh) -> dict:
     a, b = np.asarray(p1.arrays[n], np.float32), np.asarray(p2.arrays[n], np.float32)
     rec["arrays"][n] = {"shape_equal": a.shape == b.shape,
                         "max_rel": float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) if a.size else 0.0}
-  opts = {"sol_options": {"tau": 0.5}} if case["attention"] == "sol" else {}
-  ref = layer.attention_layer(x, w, bias, attention=case["attention"], **opts, **kw)
+  attention = Sol(tau=0.5) if case["attention"] == "sol" else Dense()
+  ref = layer.attention_layer(x, weights, attention=attention, **kw)
   # NaN-poisoned padding would show here: every row of the output must be finite.
-  out = sp.ulysses_attention_layer(x, w, bias, mesh=mesh, axis_name="sp", attention=case["attention"], **opts, **kw)
+  out = sp.ulysses_attention_layer(x, weights, mesh=mesh, axis_name="sp", attention=attention, **kw)
   a, b = np.asarray(out, np.float32), np.asarray(ref, np.float32)
   rec["out_shape"] = list(out.shape)
   rec["out_spec"] = list(out.sharding.spec)
@@ -132,8 +134,8 @@ def test_heads_not_divisible_names_the_sizes_that_work():
 
 def test_plan_and_wire_bytes():
   from pallas_kernels import sequence_parallel as sp
-  from formats import packed_kv as fmt
-  plan = sp.ulysses_plan(300, 4, fmt.resolve_block_classes(300, [(0, 300, "int4"), (0, 64, "int8")]))
+  from formats import KVStorage
+  plan = sp.ulysses_plan(300, 4, KVStorage(token_ranges=[(0, 300, "int4"), (0, 64, "int8")]).classes_for(300))
   assert plan.shard_tokens == 128 and plan.local_tokens == (128, 128, 44, 0)
   assert plan.capacity == (2, 1, 0) and plan.block_classes == (1, 0, 0, 0, 0)
   assert len(plan.branches()) == 4
@@ -147,6 +149,42 @@ def test_plan_and_wire_bytes():
   assert abs(wb["ring_ours"] / wb["ring_bf16"] - wb["kv_ratio"]) < 1e-9
   with pytest.raises(ValueError, match="positive"):
     sp.ulysses_plan(0, 4)
+  # The storage decides the K/V bytes: an int8 prefix sends more than all int4.
+  mixed = sp.wire_bytes(152_263, 56, 128, 8, storage=KVStorage(token_ranges=[(0, 8192, "int8")]))
+  assert mixed["kv_ours"] > wb["kv_ours"] and mixed["bf16"] == wb["bf16"]
+  assert sp.wire_bytes(152_263, 56, 128, 8, storage=KVStorage()) == wb
+  with pytest.raises(ValueError, match="storage must be a formats.KVStorage"):
+    sp.wire_bytes(300, 8, 64, 4, storage=(1, 0, 0, 0, 0))
+
+
+def test_config_errors_before_any_work():
+  """Settings are values: a bad one raises at the call, before the shard_map program
+  (a one-device mesh is enough)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh
+  from formats import KVStorage
+  from pallas_kernels import Dense, QKVLayout, QKVWeights, Sol, rope
+  from pallas_kernels import sequence_parallel as sp
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+  t, h, d = 128, 2, 64
+  cos, sin = rope.rope_tables(np.arange(t)[:, None] * 1e4 ** (-np.arange(24) / 24), d)
+  x = jnp.zeros((1, t, 32), jnp.bfloat16)
+  weights = QKVWeights(jnp.zeros((32, 3 * h * d), jnp.bfloat16), None, jnp.ones((d,)), jnp.ones((d,)))
+  kw = dict(mesh=mesh, axis_name="sp", layout=QKVLayout.h3(h, d, 48), rope_cos=cos, rope_sin=sin)
+  with pytest.raises(ValueError, match="ulysses_attention_layer"):
+    sp.ring_attention_layer(x, weights, attention=Sol(), **kw)
+  with pytest.raises(ValueError, match="fused"):
+    sp.ring_attention_layer(x, weights, attention=Dense(method="streamed"), **kw)
+  with pytest.raises(ValueError, match="Dense"):
+    sp.ulysses_attention_layer(x, weights, attention="sol", **kw)
+  with pytest.raises(ValueError, match="QKVWeights"):
+    sp.ulysses_qkv(x, jnp.zeros((32, 3 * h * d), jnp.bfloat16), **kw)
+  with pytest.raises(ValueError, match="block_classes has 1 entries"):
+    sp.ulysses_attention_layer(x, weights, storage=KVStorage(block_classes=(0,)), **kw)
+  with pytest.raises(ValueError, match="not an axis"):
+    sp.ulysses_qkv(x, weights, **dict(kw, axis_name="tp"))
 
 
 def test_benchmark_cpu_smoke(tmp_path):

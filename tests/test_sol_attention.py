@@ -16,7 +16,8 @@ from pallas_kernels.testing import dit_qkv, quality
 from formats import packed_kv as fmt
 from pallas_kernels import attention as dense
 from pallas_kernels import sol as sol
-from pallas_kernels import sol_decoded
+from pallas_kernels import sol_decoded, sol_routing
+from pallas_kernels.attention_config import DEFAULT_MAX_EXACT_TAU, Sol
 from pallas_kernels.kv_dequant import dequantize_group_int8_k_reference, dequantize_group_reference
 
 H = 2
@@ -51,6 +52,40 @@ def _key_bias(t, seed=0):
   kb = rng.normal(size=t).astype(np.float32)
   kb[rng.uniform(size=t) < 0.2] = -np.inf
   return jnp.asarray(kb)
+
+
+# Keywords of the calls themselves; everything else in a settings dict is a Sol setting.
+CALL_KEYS = ("key_bias", "block_len", "routing", "keep_rotated", "overwrite_q", "interpret")
+
+
+def _split(kw, **extra):
+  """A dict of Sol settings mixed with call keywords (key_bias, block_len...) ->
+  (``Sol(**settings)``, the call's keywords)."""
+  kw = {**kw, **extra}
+  call = {k: kw.pop(k) for k in CALL_KEYS if k in kw}
+  return Sol(**kw), call
+
+
+def _attend(q, packed, kw=None, **extra):
+  """``sol_attention`` with the settings and call keywords of ``kw`` (and ``extra``)."""
+  cfg, call = _split(kw or {}, **extra)
+  return sol.sol_attention(q, packed, cfg, **call)
+
+
+def _reference(q, packed, kw=None, **extra):
+  cfg, call = _split(kw or {}, **extra)
+  return sol.sol_attention_reference(q, packed, cfg, **call)
+
+
+def _exact(q, packed, kw=None, **extra):
+  """The reference's exact-block matrix (``sol_exact_blocks_reference``)."""
+  cfg, call = _split(kw or {}, **extra)
+  return sol.sol_exact_blocks_reference(q, packed, cfg, **call)
+
+
+def _routing(q, packed, kw=None, **extra):
+  cfg, call = _split(kw or {}, **extra)
+  return sol.sol_routing(q, packed, cfg, **call)
 
 
 def _check(out, ref, live=None, cos=0.998):
@@ -91,7 +126,7 @@ def _case_inputs(name):
 
 def _run_case(name):
   q, packed, kw, live = _case_inputs(name)
-  return sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw), live
+  return _attend(q, packed, kw), _reference(q, packed, kw), live
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -115,30 +150,31 @@ def test_streamed_methods_match_fused_and_reference(name, method):
   qk = "int8" if method == "streamed_int8" else "bf16"
   one_head = sol.streamed_head_bytes(b, t, d, qk)
   assert sol.streamed_group(b, t, h, d, one_head, qk) == 1
-  fused = sol.sol_attention(q, packed, **kw)
-  streamed = sol.sol_attention(q, packed, method=method, scratch_bytes=one_head, **kw)
+  fused = _attend(q, packed, kw)
+  streamed = _attend(q, packed, kw, method=method, scratch_bytes=one_head)
   assert streamed.shape == fused.shape and streamed.dtype == jnp.bfloat16
-  _check(streamed, sol.sol_attention_reference(q, packed, **kw), live)
+  _check(streamed, _reference(q, packed, kw), live)
   # int8 Q.K adds its own rounding (measured ~1e-2 rel_l2 against the fused kernel here).
   qual = _check(streamed, fused, live, cos=0.9999 if qk == "bf16" else 0.9997)
   assert qual["rel_l2"] < (1e-2 if qk == "bf16" else 2.5e-2), qual
   # Every head in one group, and the output over q: the same values, up to one bf16 ulp
   # (XLA fuses the f32 routing sums over the bf16 block stats differently per group shape).
   q_copy = jnp.array(q, copy=True)
-  whole = sol.sol_attention(q_copy, packed, method=method, overwrite_q=True, **kw)
+  whole = _attend(q_copy, packed, kw, method=method, overwrite_q=True)
   np.testing.assert_allclose(np.asarray(whole, np.float32), np.asarray(streamed, np.float32), rtol=2 ** -7, atol=0)
-  with pytest.raises(ValueError, match="use method='fused'"):
-    sol.sol_attention(q, packed, method=method, scratch_bytes=one_head - 1, **kw)
+  # A scratch too small for one head raises at the call (it depends on the shapes) ...
+  with pytest.raises(ValueError, match=r"use Sol\(method='fused'\)"):
+    _attend(q, packed, kw, method=method, scratch_bytes=one_head - 1)
+  # ... an unknown method at Sol(...) construction.
   with pytest.raises(ValueError, match="method must be one of"):
-    sol.sol_attention(q, packed, method="cudnn", **kw)
+    _split(kw, method="cudnn")
 
 
 def _group_stores(q, packed, kw, qk, head0=0, heads=H):
   """The kernel-over-stores inputs of one head group, built with the decoder's references."""
-  plan = sol._plan(q, packed, tau=kw.get("tau", 1.0), sm_scale=None, sink_blocks=kw.get("sink_blocks"),
-                   sink_q=kw.get("sink_q"), topk_ratio=kw.get("topk_ratio", 0.0), tail=kw.get("tail", True),
-                   max_exact=None)
-  routing = sol.sol_routing(q, packed, **{k: v for k, v in kw.items() if k not in ("tail", "key_bias")})
+  cfg, call = _split(kw)
+  plan = sol_routing.make_plan(q, packed, cfg)
+  routing = sol.sol_routing(q, packed, cfg, block_len=call.get("block_len"))
   d = q.shape[-1]
   pad = plan.num_blocks * fmt.BLOCK - plan.num_tokens
   if qk == "int8":
@@ -190,12 +226,12 @@ def test_overwrite_q_writes_the_output_into_q():
   # Same values as the out-of-place call (routing included, which also reads q), and
   # q is donated; inside a jit with q an intermediate as in a layer.
   q, packed, kw, _ = _case_inputs("mixed_ktoken_topk_sinks")
-  expected = np.asarray(sol.sol_attention(q, packed, **kw), np.float32)
+  expected = np.asarray(_attend(q, packed, kw), np.float32)
   q_copy = jnp.array(q, copy=True)
-  out = sol.sol_attention(q_copy, packed, overwrite_q=True, **kw)
+  out = _attend(q_copy, packed, kw, overwrite_q=True)
   np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
   assert q_copy.is_deleted(), "overwrite_q must donate q"
-  layer = jax.jit(lambda a, p: sol.sol_attention(a * 1.0, p, overwrite_q=True, **kw))
+  layer = jax.jit(lambda a, p: _attend(a * 1.0, p, kw, overwrite_q=True))
   np.testing.assert_array_equal(np.asarray(layer(q, packed), np.float32), expected)
 
 
@@ -207,10 +243,10 @@ def test_kernel_lowers_to_triton(name, keep_rotated, method):
   """Lower for CUDA on this CPU machine: catches what Pallas-Triton rejects (slices of
   values, non power-of-two shapes, unsupported ops) that interpret mode lets through."""
   q, packed, kw, _ = _case_inputs(name)
-  arrays = {k: v for k, v in kw.items() if hasattr(v, "shape")}
-  static = {k: v for k, v in kw.items() if not hasattr(v, "shape")}
-  fn = jax.jit(lambda q, packed, arrays: sol.sol_attention(q, packed, interpret=False, keep_rotated=keep_rotated,
-                                                           method=method, **static, **arrays))
+  cfg, arrays = _split(kw, method=method)
+  assert all(hasattr(v, "shape") for v in arrays.values())
+  fn = jax.jit(lambda q, packed, arrays: sol.sol_attention(q, packed, cfg, interpret=False, keep_rotated=keep_rotated,
+                                                           **arrays))
   text = fn.trace(q, packed, arrays).lower(lowering_platforms=("cuda",)).as_text()
   kernel = "sol_attention" if method == "fused" else "sol_over_stores"
   assert kernel in text and "triton" in text.lower()
@@ -246,7 +282,7 @@ def test_reference_matches_comfy_kitchen_eager(kw):
   if "sm_scale" in theirs:
     theirs["scale"] = theirs.pop("sm_scale")
   packed = _quantize(jnp.asarray(kr), jnp.asarray(vr), fmt.PackedKVMeta(1, H, d, t, (2,) * nb))
-  out = np.asarray(sol.sol_attention_reference(jnp.asarray(qr, jnp.bfloat16), packed, **ours))
+  out = np.asarray(_reference(jnp.asarray(qr, jnp.bfloat16), packed, ours))
   caller = (qr @ rk.T, kr @ rk.T, vr @ rv.T)   # exact in float32 up to rounding: R is orthogonal
   want = eager.sol_attn(*(torch.from_numpy(np.ascontiguousarray(x, np.float32)) for x in caller), **theirs).numpy()
   # Format v2 stores the block stats (K means, V sums) in bf16 where comfy-kitchen keeps
@@ -262,8 +298,7 @@ def test_tau_moves_monotonically_toward_dense():
   dense_ref = dense.packed_attention_reference(q, packed)
   prev_exact, prev_err = None, np.inf
   for tau in (3.0, 1.5, 1.0, 0.0, -1.0, -2.0, -1e9):
-    out, exact = sol.sol_attention_reference(q, packed, tau=tau, return_exact=True)
-    exact = np.asarray(exact)
+    out, exact = _reference(q, packed, tau=tau), np.asarray(_exact(q, packed, tau=tau))
     if prev_exact is not None:
       assert (exact >= prev_exact).all(), f"tau={tau} dropped a block a higher tau kept"
     err = quality(out, dense_ref)["rel_l1"]
@@ -271,26 +306,25 @@ def test_tau_moves_monotonically_toward_dense():
     prev_exact, prev_err = exact, err
   assert exact.all() and prev_err < 1e-5
   # The kernel follows the reference at both ends of the sweep.
-  _check(sol.sol_attention(q, packed, tau=-1e9), dense_ref, cos=0.9999)
+  _check(_attend(q, packed, tau=-1e9), dense_ref, cos=0.9999)
 
 
 def test_sink_q_rows_equal_dense_attention():
   q, packed, _, _ = _data(700, 128, MIXED)
   dense_ref = np.asarray(dense.packed_attention_reference(q, packed))
-  out = np.asarray(sol.sol_attention(q, packed, tau=2.0, sink_q=[4, 6]), np.float32)
+  out = np.asarray(_attend(q, packed, tau=2.0, sink_q=[4, 6]), np.float32)
   rows = slice(4 * fmt.BLOCK, 6 * fmt.BLOCK)
   assert quality(out[:, rows], dense_ref[:, rows])["cos"] >= 0.9999
   # ... while the other rows are sparse and differ from dense.
   assert quality(out[:, :4 * fmt.BLOCK], dense_ref[:, :4 * fmt.BLOCK])["cos"] < 0.999
-  everything = sol.sol_attention(q, packed, tau=2.0, sink_q=[0, 100])
+  everything = _attend(q, packed, tau=2.0, sink_q=[0, 100])
   _check(everything, dense_ref, cos=0.9999)
 
 
 def test_sinks_and_diagonal_are_always_exact():
   q, packed, _, _ = _data(700, 128)
   nb = packed.meta.num_blocks
-  _, exact = sol.sol_attention_reference(q, packed, tau=50.0, sink_blocks=[1, 3], sink_q=[7, 8],
-                                         return_exact=True)
+  exact = _exact(q, packed, tau=50.0, sink_blocks=[1, 3], sink_q=[7, 8])
   i, j = np.meshgrid(np.arange(nb), np.arange(nb), indexing="ij")
   forced = (np.abs(i - j) <= 1) | ((j >= 1) & (j < 3)) | (i == 7)
   np.testing.assert_array_equal(np.asarray(exact), np.broadcast_to(forced, exact.shape))
@@ -302,8 +336,7 @@ def test_topk_keeps_its_budget_outside_the_sinks():
   ratio, sinks = 0.3, (0, 2)
   kk = sol.topk_count(nb - 2, ratio)
   assert kk == round(0.3 * 9)
-  _, exact = sol.sol_attention_reference(q, packed, topk_ratio=ratio, sink_blocks=list(sinks), tau=1e9,
-                                         return_exact=True)
+  exact = _exact(q, packed, topk_ratio=ratio, sink_blocks=list(sinks), tau=1e9)
   exact = np.asarray(exact)[..., 2:]              # non-sink columns
   diag = np.abs(np.arange(nb)[:, None] - np.arange(2, nb)[None, :]) <= 1
   per_row = exact.sum(-1)
@@ -316,10 +349,10 @@ def test_routing_lists_match_reference_chunked_and_bounded():
   q, packed, _, _ = _data(700, 128, MIXED)
   nb = packed.meta.num_blocks
   kw = dict(tau=0.5, sink_blocks=[1, 2], sink_q=[9, 10])
-  _, exact = sol.sol_attention_reference(q, packed, return_exact=True, **kw)
+  exact = _exact(q, packed, kw)
   # A tiny chunk budget forces one query block per chunk: same lists as one chunk.
-  r = sol.sol_routing(q, packed, route_chunk_bytes=1, **kw)
-  r1 = sol.sol_routing(q, packed, **kw)
+  r = _routing(q, packed, kw, route_chunk_bytes=1)
+  r1 = _routing(q, packed, kw)
   np.testing.assert_array_equal(np.asarray(r.blocks), np.asarray(r1.blocks))
   assert r.blocks.dtype == jnp.int16 and r.blocks.shape == (1, H, nb, nb)  # capacity clipped to NB
   blocks, counts = np.asarray(r.blocks), np.asarray(r.counts)
@@ -341,16 +374,16 @@ def test_routing_lists_match_reference_chunked_and_bounded():
 def test_max_exact_cut_keeps_the_best_blocks_and_reports_drops():
   q, packed, _, _ = _data(700, 128)
   kw = dict(tau=-0.5, max_exact=4)
-  r = sol.sol_routing(q, packed, **kw)
+  r = _routing(q, packed, kw)
   dropped, counts = np.asarray(r.dropped), np.asarray(r.counts)
   assert dropped.sum() > 0 and counts.max() == 4
-  _, full = sol.sol_attention_reference(q, packed, tau=-0.5, return_exact=True)
-  _, cut = sol.sol_attention_reference(q, packed, return_exact=True, **kw)
+  full = _exact(q, packed, tau=-0.5)
+  cut = _exact(q, packed, kw)
   np.testing.assert_array_equal(np.asarray(full).sum(-1) - np.asarray(cut).sum(-1), dropped)
-  _check(sol.sol_attention(q, packed, routing=r, **kw), sol.sol_attention_reference(q, packed, **kw))
+  _check(_attend(q, packed, kw, routing=r), _reference(q, packed, kw))
   # The routing metadata does not grow with the square of T: capacity is fixed.
   assert r.blocks.shape[-1] == 4
-  big = sol.routing_nbytes(1, 56, 152_263, 128, sol.DEFAULT_MAX_EXACT_TAU)
+  big = sol.routing_nbytes(1, 56, 152_263, 128, DEFAULT_MAX_EXACT_TAU)
   assert big["blocks"] == 56 * 2380 * 1024 * 2
 
 
@@ -358,13 +391,13 @@ def test_key_bias_forms_agree():
   q, packed, _, _ = _data(700, 64, MIXED)
   t = 700
   kb = _key_bias(t)
-  base = sol.sol_attention_reference(q, packed, key_bias=kb, sink_blocks=[0, 2])
+  base = _reference(q, packed, key_bias=kb, sink_blocks=[0, 2])
   for form in (kb[None], kb[None, None, None]):
-    np.testing.assert_array_equal(np.asarray(sol.sol_attention_reference(q, packed, key_bias=form,
-                                                                          sink_blocks=[0, 2])), np.asarray(base))
+    np.testing.assert_array_equal(np.asarray(_reference(q, packed, key_bias=form, sink_blocks=[0, 2])),
+                                  np.asarray(base))
   mask = np.asarray(jnp.isfinite(kb))
-  as_bool = sol.sol_attention_reference(q, packed, key_bias=jnp.asarray(mask), sink_blocks=[0, 2])
-  as_float = sol.sol_attention_reference(q, packed, key_bias=jnp.where(mask, 0.0, -jnp.inf), sink_blocks=[0, 2])
+  as_bool = _reference(q, packed, key_bias=jnp.asarray(mask), sink_blocks=[0, 2])
+  as_float = _reference(q, packed, key_bias=jnp.where(mask, 0.0, -jnp.inf), sink_blocks=[0, 2])
   np.testing.assert_array_equal(np.asarray(as_bool), np.asarray(as_float))
 
 
@@ -401,24 +434,24 @@ def test_nan_poisoning_of_padding_dead_rows_and_unused_list_entries():
   q, packed, block_len, live = _data(t, 128, MIXED, "token", "token", block_len_seed=5)
   nb = packed.meta.num_blocks
   kw = dict(block_len=block_len, tau=0.5)
-  clean = np.asarray(sol.sol_attention(q, packed, **kw), np.float32)[:, live]
+  clean = np.asarray(_attend(q, packed, kw), np.float32)[:, live]
   # Dead rows of every block and the padding rows past T.
   dead = {b: [r for r in range(fmt.BLOCK) if b * fmt.BLOCK + r >= t or not live[b * fmt.BLOCK + r]]
           for b in range(nb)}
   poisoned = _poison_rows(packed, dead)
   q_bad = jnp.where(jnp.asarray(live)[None, :, None, None], q, jnp.nan).astype(jnp.bfloat16)
-  r = sol.sol_routing(q_bad, poisoned, **kw)
+  r = _routing(q_bad, poisoned, kw)
   # List entries past each count are never read: fill them with a real block.
   r = dataclasses.replace(r, blocks=jnp.where(r.blocks < 0, jnp.int16(0), r.blocks))
-  out = np.asarray(sol.sol_attention(q_bad, poisoned, routing=r, **kw), np.float32)[:, live]
+  out = np.asarray(_attend(q_bad, poisoned, kw, routing=r), np.float32)[:, live]
   assert np.isfinite(out).all()
   np.testing.assert_array_equal(out, clean)
 
 
 def test_fully_masked_rows_output_zero():
   q, packed, _, _ = _data(300, 64)
-  out = sol.sol_attention(q, packed, key_bias=jnp.full((300,), -jnp.inf), tail=False)
-  ref = sol.sol_attention_reference(q, packed, key_bias=jnp.full((300,), -jnp.inf), tail=False)
+  out = sol.sol_attention(q, packed, Sol(tail=False), key_bias=jnp.full((300,), -jnp.inf))
+  ref = sol.sol_attention_reference(q, packed, Sol(tail=False), key_bias=jnp.full((300,), -jnp.inf))
   assert not np.asarray(out, np.float32).any() and not np.asarray(ref).any()
 
 
@@ -436,9 +469,19 @@ def test_fully_masked_rows_output_zero():
     ({"sm_scale": -1.0}, "sm_scale"),
 ])
 def test_bad_arguments_raise(kwargs, match):
+  """A bad Sol setting raises at ``Sol(...)`` construction; a bad key bias or block
+  length (which depend on the shapes) at the call, in the kernel and the reference."""
   q, packed, _, _ = _data(300, 64)
-  with pytest.raises(ValueError, match=match):
-    sol.sol_attention(q, packed, **kwargs)
+  settings = {k: v for k, v in kwargs.items() if k not in CALL_KEYS}
+  call = {k: v for k, v in kwargs.items() if k in CALL_KEYS}
+  assert bool(settings) != bool(call)
+  if settings:
+    with pytest.raises(ValueError, match=match):
+      Sol(**settings)
+    return
+  for fn in (sol.sol_attention, sol.sol_attention_reference):
+    with pytest.raises(ValueError, match=match):
+      fn(q, packed, Sol(), **call)
 
 
 def test_bad_inputs_raise():
@@ -452,6 +495,11 @@ def test_bad_inputs_raise():
   other = sol.sol_routing(*_data(700, 64)[:2])
   with pytest.raises(ValueError, match="routing"):
     sol.sol_attention(q, packed, routing=other)
+  # The config must be a Sol: a Dense (or a loose dict of settings) names the fix.
+  from pallas_kernels.attention_config import Dense
+  for bad in (Dense(), {"tau": 0.5}):
+    with pytest.raises(ValueError, match=r"attention must be a Sol\(\.\.\.\) config"):
+      sol.sol_attention(q, packed, bad)
 
 
 @pytest.mark.gpu
@@ -462,7 +510,7 @@ def test_gpu_kernel_matches_reference():
     _check(out, ref, live)
   q, packed, _, _ = _data(4000, 128, None, "channel", "token", seed=1)
   for kw in ({}, {"topk_ratio": 0.1, "sink_blocks": [0, 8]}, {"tau": 1.5, "sink_q": [10, 12]}):
-    _check(sol.sol_attention(q, packed, **kw), sol.sol_attention_reference(q, packed, **kw))
+    _check(_attend(q, packed, kw), _reference(q, packed, kw))
     for method in STREAMED:
-      _check(sol.sol_attention(q, packed, method=method, **kw), sol.sol_attention_reference(q, packed, **kw))
+      _check(_attend(q, packed, kw, method=method), _reference(q, packed, kw))
   _check(sol.sol_attention(jnp.array(q, copy=True), packed, overwrite_q=True), sol.sol_attention_reference(q, packed))

@@ -17,15 +17,17 @@ import pytest
 from pallas_kernels.testing import cosine, rel_err
 from formats import packed_kv as fmt
 from pallas_kernels import rope
-from pallas_kernels.projection import (ProjectionTuning, chunk_rows, chunk_scratch_bytes, projected_qkv_f32,
-                                       streamed_qkv, streamed_qkv_reference)
-from pallas_kernels.qkv_layout import QKVLayout
+from formats import KVStorage
+from pallas_kernels.qkv_projection import (ProjectionTuning, chunk_rows, chunk_scratch_bytes, projected_qkv_f32,
+                                           streamed_qkv, streamed_qkv_reference)
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 
 
 def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias="f32", seed=0, norm="head",
                 rope_style="half", rope_per_head=False):
-  """Random bf16 x, W and f32 norm weights; per-channel K offsets via the bias. The
-  RoPE tables have random angles (each head its own with ``rope_per_head``)."""
+  """Random bf16 x, W and f32 norm weights (one ``QKVWeights``); per-channel K offsets
+  via the bias. The RoPE tables have random angles (each head its own with
+  ``rope_per_head``). Returns (x, weights, kw) with kw the layout and tables."""
   rng = np.random.default_rng(seed)
   layout = QKVLayout(heads, head_dim, norm, rope_style, rot_dim, rope_per_head=rope_per_head)
   x = jnp.asarray(rng.normal(size=(b, t, hidden)), jnp.bfloat16)
@@ -39,9 +41,9 @@ def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias=
   cos, sin = (np.concatenate([tab[i] for tab in tables], axis=1) for i in (0, 1))
   weight = lambda: (None if norm == "none" else
                     jnp.asarray(1 + 0.3 * rng.normal(size=layout.norm_width), jnp.float32))
-  kw = dict(layout=layout, q_norm_weight=weight(), k_norm_weight=weight(), rope_cos=jnp.asarray(cos),
-            rope_sin=jnp.asarray(sin))
-  return x, w, bias_arr, kw
+  weights = QKVWeights(w, bias_arr, weight(), weight())
+  kw = dict(layout=layout, rope_cos=jnp.asarray(cos), rope_sin=jnp.asarray(sin))
+  return x, weights, kw
 
 
 _dequantize = jax.jit(fmt.dequantize_reference)  # eager dispatch would dominate test time
@@ -52,9 +54,9 @@ def _unpacked_codes(packed, role, cls):
   return np.asarray(fmt.unpack_nibbles(jnp.asarray(codes))) if cls == "int4" else codes
 
 
-def check_against_reference(q, packed, x, w, bias, kw, meta_kw):
+def check_against_reference(q, packed, x, weights, kw, storage=None):
   """Compare kernel outputs with streamed_qkv_reference; return the reference."""
-  q_ref, ref = streamed_qkv_reference(x, w, bias, **kw, **meta_kw)
+  q_ref, ref = streamed_qkv_reference(x, weights, **kw, storage=storage)
   assert packed.meta == ref.meta
   fmt.check_packed(packed)
   # Everything written and finite (interpret mode NaN-fills outputs first).
@@ -92,8 +94,7 @@ def check_against_reference(q, packed, x, w, bias, kw, meta_kw):
     np.testing.assert_allclose(a, r, rtol=2 ** -7, atol=1e-4 * np.abs(r).max(), err_msg=name)
 
   # Dequantized K/V: as close to the f32 rotated values as the reference's own.
-  _, k32, v32 = projected_qkv_f32(x, w, bias, **kw, **{
-      k: v for k, v in meta_kw.items() if k.startswith("rotation")})
+  _, k32, v32 = projected_qkv_f32(x, weights, **kw, storage=storage)
   kd, vd = _dequantize(packed)
   kr, vr = _dequantize(ref)
   for name, got, want, full in (("k", kd, kr, k32), ("v", vd, vr, v32)):
@@ -120,18 +121,17 @@ def rows_scratch(rows, x, heads, head_dim):
 @pytest.mark.parametrize("head_dim,rot_dim,k_scheme,v_scheme,bias,classes,full_width", CASES)
 @pytest.mark.parametrize("method", ["chunked", "fused"])
 def test_matches_reference(method, head_dim, rot_dim, k_scheme, v_scheme, bias, classes, full_width):
-  x, w, b, kw = make_inputs(head_dim=head_dim, rot_dim=rot_dim, bias=bias,
-                            seed=head_dim + rot_dim)
-  meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme,
-                 rotation_seed_k=3, rotation_seed_v=4)
+  x, wt, kw = make_inputs(head_dim=head_dim, rot_dim=rot_dim, bias=bias, seed=head_dim + rot_dim)
+  storage = KVStorage(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme,
+                      rotation_seed_k=3, rotation_seed_v=4)
   # chunked: 128-row chunks over T = 200 (a full chunk, then a ragged one) for both
   # batch rows; or the whole sequence in one padded chunk.
   tune = (dict(tuning=ProjectionTuning(full_width_gemm=full_width)) if method == "fused" else
           dict(scratch_bytes=rows_scratch(128 if full_width else 256, x, 2, head_dim)))
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method=method, **tune)
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method=method, **tune)
   assert q.shape == (2, 200, 2, head_dim) and q.dtype == jnp.bfloat16
   assert packed.meta.rotation_seed_k == 3 and packed.meta.rotation_seed_v == 4
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  check_against_reference(q, packed, x, wt, kw, storage)
 
 
 LAYOUTS = [
@@ -149,18 +149,18 @@ LAYOUTS = [
 def test_layouts_match_reference(norm, rope_style, rot_dim, per_head):
   """Every QK-norm and RoPE layout, chunked (every layout) and fused (where it runs;
   elsewhere it names the chunked method), against the float32 reference."""
-  x, w, b, kw = make_inputs(b=2, t=150, hidden=96, heads=2, head_dim=64, rot_dim=rot_dim, seed=31, norm=norm,
-                            rope_style=rope_style, rope_per_head=per_head)
-  meta_kw = dict(block_classes=(1, 0, 2))
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
+  x, wt, kw = make_inputs(b=2, t=150, hidden=96, heads=2, head_dim=64, rot_dim=rot_dim, seed=31, norm=norm,
+                          rope_style=rope_style, rope_per_head=per_head)
+  storage = KVStorage(block_classes=(1, 0, 2))
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="chunked",
                            scratch_bytes=rows_scratch(64, x, 2, 64))
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  check_against_reference(q, packed, x, wt, kw, storage)
   if norm == "across" or per_head:
     with pytest.raises(NotImplementedError, match="use method='chunked'"):
-      streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused")
+      streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="fused")
   else:
-    q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused")
-    check_against_reference(q, packed, x, w, b, kw, meta_kw)
+    q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="fused")
+    check_against_reference(q, packed, x, wt, kw, storage)
 
 
 def test_layout_reference_matches_the_models_own_formulas():
@@ -194,38 +194,39 @@ def test_programs_with_several_heads_or_blocks(tuning):
   """q_heads_per_program / kv_blocks_per_program vs the reference: every class,
   both scale schemes, a bias, a ragged last block and the duplicate-slot case."""
   heads = tuning["q_heads_per_program"]
-  x, w, b, kw = make_inputs(b=1, t=200, hidden=96, heads=heads, head_dim=64, rot_dim=48,
-                            seed=21)
-  meta_kw = dict(block_classes=(0, 1, 0, 0) if heads == 2 else (2, 0, 1, 2),
-                 k_scheme="channel" if heads == 2 else "token",
-                 v_scheme="token" if heads == 2 else "token_g64")
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused",
+  x, wt, kw = make_inputs(b=1, t=200, hidden=96, heads=heads, head_dim=64, rot_dim=48, seed=21)
+  storage = KVStorage(block_classes=(0, 1, 0, 0) if heads == 2 else (2, 0, 1, 2),
+                      k_scheme="channel" if heads == 2 else "token",
+                      v_scheme="token" if heads == 2 else "token_g64")
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="fused",
                            tuning=ProjectionTuning(**tuning))
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  check_against_reference(q, packed, x, wt, kw, storage)
 
 
 def test_chunks_of_one_block_and_poisoned_buffers():
   """64-row chunks (the fori_loop runs), every class, ragged T; the chunked method
   writes into given buffers (NaN Q and stats, 0xFF codes) and leaves nothing of them."""
-  from pallas_kernels import projection as sq
-  from pallas_kernels.projection_ops import epilogue_constants
+  from pallas_kernels import qkv_projection as sq
+  from pallas_kernels.qkv_ops import epilogue_constants
   t = 330
-  classes = fmt.resolve_block_classes(t, [(0, 60, "bf16"), (130, 200, "int8")])
-  x, w, b, kw = make_inputs(b=2, t=t, hidden=96, heads=2, head_dim=64, rot_dim=48, seed=3)
-  meta_kw = dict(block_classes=classes, k_scheme="channel", v_scheme="token_g64")
+  ranges = [(0, 60, "bf16"), (130, 200, "int8")]
+  storage = KVStorage(token_ranges=ranges, k_scheme="channel", v_scheme="token_g64")
+  assert storage.classes_for(t) == fmt.resolve_block_classes(t, ranges)
+  x, wt, kw = make_inputs(b=2, t=t, hidden=96, heads=2, head_dim=64, rot_dim=48, seed=3)
   assert chunk_rows(t, 96, 3 * 2 * 64, rows_scratch(64, x, 2, 64)) == 64
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="chunked",
                            scratch_bytes=rows_scratch(64, x, 2, 64))
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  check_against_reference(q, packed, x, wt, kw, storage)
   meta = packed.meta
+  assert meta.block_classes == storage.classes_for(t)
   poison = {"q": jnp.full(q.shape, jnp.nan, jnp.bfloat16)}
   for name, (shape, dtype) in fmt.buffer_specs(meta).items():
     if shape[2]:
       poison[name] = jnp.full(shape, 255 if dtype == "uint8" else jnp.nan, dtype)
-  consts = epilogue_constants(kw["layout"], 0, 1, kw["q_norm_weight"], kw["k_norm_weight"])
+  consts = epilogue_constants(kw["layout"], 0, 1, wt.q_norm_weight, wt.k_norm_weight)
   q2, packed2 = jax.jit(lambda x, w, b, cos, sin, init: sq._chunked(
       x, w, b, cos, sin, consts, meta, rows=64, interpret=True, init=init))(
-          x, w, b, kw["rope_cos"], kw["rope_sin"], poison)
+          x, wt.w_qkv, wt.bias, kw["rope_cos"], kw["rope_sin"], poison)
   np.testing.assert_array_equal(np.asarray(q2, np.float32), np.asarray(q, np.float32))
   for name in fmt.ARRAY_NAMES:
     np.testing.assert_array_equal(np.asarray(packed2.arrays[name]), np.asarray(packed.arrays[name]),
@@ -235,16 +236,19 @@ def test_chunks_of_one_block_and_poisoned_buffers():
 def test_mixed_policy_and_padded_tail():
   """int4 + int8 + bf16 blocks from a token-range policy; the ragged tail is zeros."""
   t = 200
-  classes = fmt.resolve_block_classes(t, [(0, 40, "bf16"), (70, 100, "int8"), (195, 200, "bf16")])
+  ranges = [(0, 40, "bf16"), (70, 100, "int8"), (195, 200, "bf16")]
+  classes = fmt.resolve_block_classes(t, ranges)
   assert set(classes) == {0, 1, 2} and classes[-1] == 2
-  x, w, b, kw = make_inputs(t=t, head_dim=64, rot_dim=48, hidden=96, seed=7)  # ragged hidden
-  meta_kw = dict(block_classes=classes)
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="fused",
+  storage = KVStorage(token_ranges=ranges)
+  assert storage.classes_for(t) == classes
+  x, wt, kw = make_inputs(t=t, head_dim=64, rot_dim=48, hidden=96, seed=7)  # ragged hidden
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="fused",
                            tuning=ProjectionTuning(block_q=64, block_h=64, full_width_gemm=True))
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
-  q2, packed2 = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method="chunked",
+  assert packed.meta.block_classes == classes
+  check_against_reference(q, packed, x, wt, kw, storage)
+  q2, packed2 = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="chunked",
                              scratch_bytes=rows_scratch(128, x, 2, 64))
-  check_against_reference(q2, packed2, x, w, b, kw, meta_kw)
+  check_against_reference(q2, packed2, x, wt, kw, storage)
   # The tail block (tokens 192..255, 8 live) is bf16: rows past T must be exact zeros
   # although the bias makes the projection of a zero row nonzero.
   last = packed.meta.slots("bf16").index(len(classes) - 1)
@@ -257,11 +261,11 @@ def test_mixed_policy_and_padded_tail():
 
 def test_padded_tokens_token_scheme():
   """Per-token params of padded tokens follow the format: scale 1, zero 0, codes 0."""
-  x, w, b, kw = make_inputs(b=1, t=40, head_dim=64, rot_dim=32, seed=11)
-  meta_kw = dict(k_scheme="token", v_scheme="token_g64")
+  x, wt, kw = make_inputs(b=1, t=40, head_dim=64, rot_dim=32, seed=11)
+  storage = KVStorage(k_scheme="token", v_scheme="token_g64")
   for method in ("chunked", "fused"):
-    q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=True, method=method)
-    check_against_reference(q, packed, x, w, b, kw, meta_kw)
+    q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method=method)
+    check_against_reference(q, packed, x, wt, kw, storage)
     for role in "kv":
       assert (np.asarray(packed.arrays[f"{role}_scale4"])[..., 40:] == 1).all()
       assert (np.asarray(packed.arrays[f"{role}_zero4"])[..., 40:] == 0).all()
@@ -269,9 +273,11 @@ def test_padded_tokens_token_scheme():
 
 
 def test_defaults_and_empty_classes():
-  x, w, _, kw = make_inputs(b=1, t=64, hidden=64, heads=1, head_dim=64, rot_dim=48, bias=None)
-  q, packed = streamed_qkv(x, w, **kw, interpret=True)
+  x, wt, kw = make_inputs(b=1, t=64, hidden=64, heads=1, head_dim=64, rot_dim=48, bias=None)
+  assert wt.bias is None
+  q, packed = streamed_qkv(x, wt, **kw, interpret=True)
   assert packed.meta == fmt.PackedKVMeta(1, 1, 64, 64, (0,))
+  assert packed.meta == KVStorage().meta(1, 1, 64, 64)
   fmt.check_packed(packed)
   assert packed.k_codes8.shape == (1, 1, 0, 64) and packed.v_bf16.shape == (1, 1, 0, 64)
 
@@ -279,11 +285,29 @@ def test_defaults_and_empty_classes():
 # ---------------------------------------------------------------------------------------
 # Bad inputs
 # ---------------------------------------------------------------------------------------
+_STORAGE_ARGS = ("block_classes", "k_scheme", "v_scheme", "rotation_seed_k", "rotation_seed_v")
+
+
 def _bad(**changes):
-  x, w, b, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
-  args = dict(x=x, w_qkv=w, bias=b, **kw)
+  x, wt, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
+  args = dict(x=x, w_qkv=wt.w_qkv, bias=wt.bias, q_norm_weight=wt.q_norm_weight, k_norm_weight=wt.k_norm_weight,
+              **kw)
   args.update(changes)
   return args
+
+
+def _bad_call(fn, args):
+  """Call ``fn`` (streamed_qkv or its reference) with the loose test arguments packed
+  into the new values: weights (unless ``weights`` overrides them) and storage (built
+  here, so a bad storage setting raises at its construction)."""
+  args = dict(args)
+  x = args.pop("x")
+  weights = QKVWeights(args.pop("w_qkv"), args.pop("bias"), args.pop("q_norm_weight"), args.pop("k_norm_weight"))
+  weights = args.pop("weights", weights)
+  loose = {k: args.pop(k) for k in _STORAGE_ARGS if k in args}
+  if loose:
+    args["storage"] = KVStorage(**loose)
+  return fn(x, weights, **args)
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -301,23 +325,26 @@ def _bad(**changes):
     (lambda a: dict(layout=QKVLayout(1, 64, "none", "half", 32)), "q_norm_weight given, but the layout has norm='none'"),
     (lambda a: dict(layout=QKVLayout(1, 64, "head", "pairs", 32, rope_per_head=True), rope_cos=a["rope_cos"][:, :32]),
      r"rope_cos must be \(T, H\*D\)"),
-    (lambda a: dict(block_classes=(0,)), "block_classes has 1 entries, need 2"),
-    (lambda a: dict(block_classes=(0, 5)), "block_classes entries"),
+    # T = 70 has 2 blocks: a storage of one block fails at the call, naming both counts.
+    (lambda a: dict(block_classes=(0,)), "block_classes has 1 entries but T = 70 has 2 blocks"),
+    # Bad storage settings fail at KVStorage(...) construction.
+    (lambda a: dict(block_classes=(0, 5)), "unknown precision class 5"),
     (lambda a: dict(k_scheme="group"), "k_scheme 'group' unknown"),
     (lambda a: dict(bias=a["bias"][:10]), r"bias must be \(3\*H\*D,\)"),
     (lambda a: dict(q_norm_weight=jnp.ones((32,))), r"q_norm_weight must be \(64,\) for norm='head'"),
     (lambda a: dict(x=a["x"][:, :0], rope_cos=a["rope_cos"][:0], rope_sin=a["rope_sin"][:0]),
      "x has an empty axis"),
     (lambda a: dict(x=a["x"][:0]), "x has an empty axis"),
+    (lambda a: dict(weights=a["w_qkv"]), "weights must be a QKVWeights"),
+    (lambda a: dict(storage=(0, 0)), "storage must be a formats.KVStorage"),
 ])
 def test_bad_inputs(changes, match):
   args = _bad()
   args.update(changes(args))
-  x, w, b = args.pop("x"), args.pop("w_qkv"), args.pop("bias")
   with pytest.raises(ValueError, match=match):
-    streamed_qkv(x, w, b, **args, interpret=True)
+    _bad_call(lambda *a, **k: streamed_qkv(*a, **k, interpret=True), args)
   with pytest.raises(ValueError, match=match):
-    streamed_qkv_reference(x, w, b, **args)
+    _bad_call(streamed_qkv_reference, args)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -339,26 +366,28 @@ def test_bad_layout_and_tuning(make, match):
 
 
 def test_bad_tiles():
-  x, w, b, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
-  tune = lambda **k: dict(tuning=ProjectionTuning(**k))
+  x, wt, kw = make_inputs(b=1, t=70, hidden=64, heads=1, head_dim=64, rot_dim=32)
+  # Tiles a kernel cannot run fail at ProjectionTuning(...) construction ...
   with pytest.raises(ValueError, match="block_q must be a power of two"):
-    streamed_qkv(x, w, b, **kw, interpret=True, **tune(block_q=96))
-  with pytest.raises(ValueError, match="q_heads_per_program=2 must divide heads=1"):
-    streamed_qkv(x, w, b, **kw, interpret=True, **tune(q_heads_per_program=2))
+    ProjectionTuning(block_q=96)
   with pytest.raises(ValueError, match="q_heads_per_program must be 1, 2 or 4"):
-    streamed_qkv(x, w, b, **kw, interpret=True, **tune(q_heads_per_program=3))
+    ProjectionTuning(q_heads_per_program=3)
   with pytest.raises(ValueError, match="kv_blocks_per_program must be 1 or 2"):
-    streamed_qkv(x, w, b, **kw, interpret=True, **tune(kv_blocks_per_program=4))
+    ProjectionTuning(kv_blocks_per_program=4)
+  # ... what depends on the inputs (the head count, the scratch) at the call.
+  with pytest.raises(ValueError, match="q_heads_per_program=2 must divide heads=1"):
+    streamed_qkv(x, wt, **kw, interpret=True, tuning=ProjectionTuning(q_heads_per_program=2))
+  with pytest.raises(ValueError, match="tuning must be a ProjectionTuning"):
+    streamed_qkv(x, wt, **kw, interpret=True, tuning=dict(block_q=64))
   with pytest.raises(ValueError, match="method must be one of"):
-    streamed_qkv(x, w, b, **kw, interpret=True, method="cublas")
+    streamed_qkv(x, wt, **kw, interpret=True, method="cublas")
   with pytest.raises(ValueError, match="holds no 64-row chunk"):
-    streamed_qkv(x, w, b, **kw, interpret=True, method="chunked", scratch_bytes=1000)
+    streamed_qkv(x, wt, **kw, interpret=True, method="chunked", scratch_bytes=1000)
   with pytest.raises(ValueError, match="scratch_bytes must be >= 0"):
-    streamed_qkv(x, w, b, **kw, interpret=True, scratch_bytes=-1)
+    streamed_qkv(x, wt, **kw, interpret=True, scratch_bytes=-1)
   # auto falls back to the fused kernel when no chunk fits
-  q, packed = streamed_qkv(x, w, b, **kw, interpret=True, scratch_bytes=1000)
-  check_against_reference(q, packed, x, w, b, kw, {})
-
+  q, packed = streamed_qkv(x, wt, **kw, interpret=True, scratch_bytes=1000)
+  check_against_reference(q, packed, x, wt, kw)
 
 # ---------------------------------------------------------------------------------------
 # Triton lowering (on CPU) and the no-full-QKV memory claim
@@ -368,8 +397,16 @@ def _abstract(b, t, hidden, heads, head_dim, rot_dim, bias=True):
   nw, tab = sd((head_dim,), jnp.float32), sd((t, head_dim), jnp.float32)
   x, w = sd((b, t, hidden), jnp.bfloat16), sd((hidden, 3 * heads * head_dim), jnp.bfloat16)
   bias = sd((3 * heads * head_dim,), jnp.float32) if bias else None
-  return x, w, bias, dict(q_norm_weight=nw, k_norm_weight=nw, rope_cos=tab, rope_sin=tab,
-                          layout=QKVLayout.h3(heads, head_dim, rot_dim))
+  layout = QKVLayout.h3(heads, head_dim, rot_dim)
+  return x, QKVWeights(w, bias, nw, nw), dict(rope_cos=tab, rope_sin=tab, layout=layout)
+
+
+def _trace(x, weights, kw, **call_kw):
+  """``streamed_qkv`` (settings bound, arrays abstract) under jit, traced."""
+  layout = kw["layout"]
+  fn = jax.jit(lambda x, weights, cos, sin: streamed_qkv(x, weights, layout=layout, rope_cos=cos, rope_sin=sin,
+                                                         **call_kw))
+  return fn.trace(x, weights, kw["rope_cos"], kw["rope_sin"])
 
 
 _MULTI = dict(q_heads_per_program=2, kv_blocks_per_program=2)
@@ -386,10 +423,10 @@ _MULTI = dict(q_heads_per_program=2, kv_blocks_per_program=2)
 def test_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_scheme, hidden, bias, tuning):
   """The Triton lowering rejects what interpret mode allows (value slices, `other`
   without `mask`...). It runs on CPU when lowering for platform cuda."""
-  x, w, b, kw = _abstract(1, 200, hidden, 2, head_dim, rot_dim, bias)
-  lowered = streamed_qkv.trace(x, w, b, **kw, block_classes=(0, 1, 2, 0), k_scheme=k_scheme,
-                               v_scheme=v_scheme, interpret=False, method="fused",
-                               tuning=ProjectionTuning(**tuning)).lower(lowering_platforms=("cuda",))
+  x, wt, kw = _abstract(1, 200, hidden, 2, head_dim, rot_dim, bias)
+  storage = KVStorage(block_classes=(0, 1, 2, 0), k_scheme=k_scheme, v_scheme=v_scheme)
+  lowered = _trace(x, wt, kw, storage=storage, interpret=False, method="fused",
+                   tuning=ProjectionTuning(**tuning)).lower(lowering_platforms=("cuda",))
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4  # Q + three classes
 
 
@@ -399,11 +436,11 @@ def test_chunked_epilogue_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_sch
   """B = 2, 128-row chunks over T = 200 (the last one shifted to end at the last
   block): one loop over every chunk of both batch rows, every class in one kernel,
   and the kernel that creates the uninitialized buffers."""
-  x, w, b, kw = _abstract(2, 200, 256, 2, head_dim, rot_dim, bias)
-  text = streamed_qkv.trace(
-      x, w, b, **kw, block_classes=(0, 1, 2, 0), k_scheme=k_scheme, v_scheme=v_scheme, interpret=False,
-      method="chunked", scratch_bytes=chunk_scratch_bytes(128, 256, 6 * head_dim)).lower(
-          lowering_platforms=("cuda",)).as_text()
+  x, wt, kw = _abstract(2, 200, 256, 2, head_dim, rot_dim, bias)
+  storage = KVStorage(block_classes=(0, 1, 2, 0), k_scheme=k_scheme, v_scheme=v_scheme)
+  text = _trace(x, wt, kw, storage=storage, interpret=False, method="chunked",
+                scratch_bytes=chunk_scratch_bytes(128, 256, 6 * head_dim)).lower(
+                    lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 2 and "qkv_epilogue" in text and "qkv_buffers" in text
 
 
@@ -444,13 +481,17 @@ def big_buffers(buffers, threshold, allowed):
   return sorted({ty for size, ty in buffers if size >= threshold and ty not in allowed})
 
 
-def anti_pattern(x, w, bias=None, *, layout, **_):
+def anti_pattern(x, weights, rope_cos=None, rope_sin=None, *, layout):
   """BF16 QKV, then quantize: the allocation the kernel exists to avoid."""
   heads, head_dim = layout.heads, layout.head_dim
   b, t, _ = x.shape
-  y = (x @ w).reshape(b, t, 3, heads, head_dim)
+  y = (x @ weights.w_qkv).reshape(b, t, 3, heads, head_dim)
   meta = fmt.PackedKVMeta(b, heads, head_dim, t, (0,) * (-(-t // 64)))
   return y[:, :, 0], fmt.quantize_reference(y[:, :, 1], y[:, :, 2], meta)
+
+
+def _trace_anti(x, weights, kw):
+  return jax.jit(anti_pattern, static_argnames=("layout",)).trace(x, weights, **kw)
 
 
 # Sizes chosen so that one head-sized bf16 (T, H, D) tensor, the threshold, is larger
@@ -459,12 +500,11 @@ MEM = dict(b=1, t=512, hidden=64, head_dim=64, rot_dim=32)
 
 
 def _mem_case(heads):
-  x, w, b, kw = _abstract(MEM["b"], MEM["t"], MEM["hidden"], heads, MEM["head_dim"],
-                          MEM["rot_dim"], bias=False)
+  x, wt, kw = _abstract(MEM["b"], MEM["t"], MEM["hidden"], heads, MEM["head_dim"], MEM["rot_dim"], bias=False)
   q_bytes = MEM["b"] * MEM["t"] * heads * MEM["head_dim"] * 2
   q_types = {"bf16[%d,%d,%d,%d]" % (MEM["b"], MEM["t"], heads, MEM["head_dim"]),
              "%dx%dx%dx%dxbf16" % (MEM["b"], MEM["t"], heads, MEM["head_dim"])}
-  return x, w, kw, q_bytes, q_types
+  return x, wt, kw, q_bytes, q_types
 
 
 def _method_kw(method, heads):
@@ -479,12 +519,11 @@ def _method_kw(method, heads):
 def test_no_full_qkv_in_gpu_program(method):
   """The program XLA gets on the GPU (lowered for cuda, on CPU): no tensor as large as
   a bf16 K, except Q. The anti-pattern fails the same check."""
-  x, w, kw, q_bytes, q_types = _mem_case(8)
-  text = streamed_qkv.trace(x, w, **kw, interpret=False, **_method_kw(method, 8)).lower(
+  x, wt, kw, q_bytes, q_types = _mem_case(8)
+  text = _trace(x, wt, kw, interpret=False, **_method_kw(method, 8)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert big_buffers(stablehlo_tensors(text), q_bytes, q_types) == []
-  bad = jax.jit(anti_pattern, static_argnames=("layout",)).trace(
-      x, w, **kw).lower(lowering_platforms=("cuda",)).as_text()
+  bad = _trace_anti(x, wt, kw).lower(lowering_platforms=("cuda",)).as_text()
   assert big_buffers(stablehlo_tensors(bad), q_bytes, q_types) != []
 
 
@@ -498,11 +537,10 @@ def test_no_full_qkv_in_compiled_interpret():
   method = "fused"
   compiled, temps = {}, {}
   for heads in (8, 16):
-    x, w, kw, q_bytes, q_types = _mem_case(heads)
-    for name, fn in (("kernel", streamed_qkv),
-                     ("anti", jax.jit(anti_pattern, static_argnames=("layout",)))):
-      extra = _method_kw(method, heads) if name == "kernel" else {}
-      c = fn.trace(x, w, **kw, **extra).lower().compile()
+    x, wt, kw, q_bytes, q_types = _mem_case(heads)
+    for name, trace in (("kernel", lambda: _trace(x, wt, kw, **_method_kw(method, heads))),
+                        ("anti", lambda: _trace_anti(x, wt, kw))):
+      c = trace().lower().compile()
       compiled[name, heads] = (c, q_bytes, q_types)
       temps[name, heads] = c.memory_analysis().temp_size_in_bytes
   c, q_bytes, q_types = compiled["kernel", 16]
@@ -532,23 +570,21 @@ def test_gpu_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, tuning):
   """Both methods: the fused kernel with each tuning, the chunked method with 320-row
   chunks (a loop chunk, more, and a ragged tail per batch row)."""
   t = 1000
-  x, w, b, kw = make_inputs(b=2, t=t, hidden=512, heads=4, head_dim=head_dim, rot_dim=rot_dim,
-                            seed=5)
-  classes = fmt.resolve_block_classes(t, [(0, 100, "bf16"), (300, 420, "int8")])
-  meta_kw = dict(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme)
-  q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, method="fused",
+  x, wt, kw = make_inputs(b=2, t=t, hidden=512, heads=4, head_dim=head_dim, rot_dim=rot_dim, seed=5)
+  storage = KVStorage(token_ranges=((0, 100, "bf16"), (300, 420, "int8")), k_scheme=k_scheme, v_scheme=v_scheme)
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=False, method="fused",
                            tuning=ProjectionTuning(**tuning))
-  check_against_reference(q, packed, x, w, b, kw, meta_kw)
+  check_against_reference(q, packed, x, wt, kw, storage)
   # On the GPU, the fused kernel's temp memory holds no K/V-sized buffer at all.
-  compiled = streamed_qkv.trace(x, w, b, **kw, **meta_kw, interpret=False, method="fused",
-                                tuning=ProjectionTuning(**tuning)).lower().compile()
+  compiled = _trace(x, wt, kw, storage=storage, interpret=False, method="fused",
+                    tuning=ProjectionTuning(**tuning)).lower().compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < x.shape[0] * t * 4 * head_dim * 2, temp
   if not tuning:
     scratch = rows_scratch(320, x, 4, head_dim)
-    q, packed = streamed_qkv(x, w, b, **kw, **meta_kw, interpret=False, method="chunked",
+    q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=False, method="chunked",
                              scratch_bytes=scratch)
-    check_against_reference(q, packed, x, w, b, kw, meta_kw)
+    check_against_reference(q, packed, x, wt, kw, storage)
 
 
 @pytest.mark.gpu
@@ -556,11 +592,11 @@ def test_gpu_matches_reference(head_dim, rot_dim, k_scheme, v_scheme, tuning):
 def test_gpu_chunked_program_stays_within_the_budget_at_h3_shapes(budget_mib):
   """Compile (no run) the chunked method at T = 152,263, hidden 5376, 56 x 128: XLA's
   temp memory (one chunk's f32 projection and x slice) stays within the budget."""
-  x, w, b, kw = _abstract(1, 152263, 5376, 56, 128, 96, bias=False)
+  x, wt, kw = _abstract(1, 152263, 5376, 56, 128, 96, bias=False)
   budget = budget_mib << 20
-  classes = fmt.resolve_block_classes(152263, [(0, 4096, "int8")])
-  compiled = streamed_qkv.trace(x, w, **kw, block_classes=classes, interpret=False, method="chunked",
-                                scratch_bytes=budget).lower().compile()
+  storage = KVStorage(token_ranges=((0, 4096, "int8"),))
+  compiled = _trace(x, wt, kw, storage=storage, interpret=False, method="chunked",
+                    scratch_bytes=budget).lower().compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp <= budget, f"temp {temp / 2**20:.1f} MiB > budget {budget_mib} MiB"
 
@@ -569,9 +605,10 @@ def test_bf16_gemm_output_rounds_only_the_projection():
   """gemm_dtype='bfloat16': the chunk is rounded to bf16 before the epilogue, as a BF16
   model's qkv_proj output is. Q stays within bf16 rounding of the f32 reference, codes
   within one step; a wrong dtype names the choices."""
-  x, w, b, kw = make_inputs(seed=11)
-  q_ref, ref = streamed_qkv_reference(x, w, b, **kw, block_classes=(1, 0, 2, 0))
-  q, packed = streamed_qkv(x, w, b, **kw, block_classes=(1, 0, 2, 0), method="chunked",
+  x, wt, kw = make_inputs(seed=11)
+  storage = KVStorage(block_classes=(1, 0, 2, 0))
+  q_ref, ref = streamed_qkv_reference(x, wt, **kw, storage=storage)
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, method="chunked",
                            tuning=ProjectionTuning(gemm_dtype="bfloat16"),
                            scratch_bytes=rows_scratch(128, x, kw["layout"].heads, kw["layout"].head_dim))
   qf, qr = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)

@@ -22,7 +22,7 @@ import torch_bridge as tb  # first: sets the allocator policy before JAX starts 
 import formats
 from pallas_kernels.testing import dit_grid, quality
 from pallas_kernels import attention as jattn
-from pallas_kernels import projection as jqkv
+from pallas_kernels import qkv_projection as jqkv
 from pallas_kernels.qkv_layout import QKVLayout
 from pallas_kernels.rope import rope_3d_angles, rope_tables
 from torch_bridge import allocator, dlpack, ops

@@ -7,15 +7,22 @@ anything starts JAX's GPU backend, or the policy cannot apply (a warning then sa
 
 Public surface:
 
-* ``QKVLayout``: how a block makes q and k (heads, QK norm, RoPE style), as in JAX.
-* ``streamed_qkv`` / ``packed_attention`` / ``sol_attention``: eager front ends over
-  the custom ops ``torch.ops.packed_kv.{streamed_qkv, packed_attention, sol_attention}``.
-* ``required_bytes``: the device memory an H3 attention block needs above what the
-  caller holds (``PackedH3Attention.required_bytes`` for a module's own settings).
+* The settings, as in JAX: ``QKVLayout`` (heads, QK norm, RoPE style), ``KVStorage``
+  (precision classes, schemes, seeds), ``Dense`` / ``Sol`` (attention), ``QKVWeights``.
+* ``streamed_qkv`` / ``packed_attention`` / ``sol_attention`` / ``attention_layer``:
+  front ends over the custom ops ``torch.ops.packed_kv.*``.
+* ``required_bytes``: the device memory an attention block needs above what the
+  caller holds (``PackedAttention.required_bytes`` for a module's own settings).
 * ``TorchPackedKV``: torch mirror of ``formats.PackedKV`` (same buffers, same meta).
-* ``PackedH3Attention`` / ``ReferenceH3Attention``: an H3-style attention block on the
-  ops, and the plain BF16 torch block whose ``state_dict`` it loads.
+* ``PackedAttention`` (any layout) / ``PackedH3Attention`` (its H3 preset) /
+  ``ReferenceH3Attention``: attention blocks on the ops, and the plain BF16 torch block
+  whose ``state_dict`` the H3 preset loads.
+
+Inference only: the ops register no backward. ``auto`` choices and installs are logged
+(``logging.getLogger("pallas_kernels")`` / ``"torch_bridge"``).
 """
+import logging
+
 from torch_bridge import allocator
 
 allocator.configure()
@@ -36,12 +43,17 @@ from torch_bridge.allocator import allocator_status, check_allocator  # noqa: E4
 from torch_bridge.dlpack import BridgeError, to_jax, to_torch  # noqa: E402
 from torch_bridge.packed_kv import (TorchPackedKV, meta_from_json, meta_from_tensor,  # noqa: E402
                                     meta_to_json, meta_to_tensor, torch_buffer_specs)
-from torch_bridge.ops import (packed_attention, required_bytes, segment_ids_from_cu_seqlens,  # noqa: E402
-                             sol_attention, streamed_qkv)
-from torch_bridge.attention_module import PackedH3Attention, ReferenceH3Attention  # noqa: E402
-from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
+from torch_bridge.ops import (attention_layer, packed_attention, required_bytes,  # noqa: E402
+                             segment_ids_from_cu_seqlens, sol_attention, streamed_qkv)
+from torch_bridge.attention_module import PackedAttention, PackedH3Attention, ReferenceH3Attention  # noqa: E402
+from formats.storage import KVStorage  # noqa: E402
+from pallas_kernels.attention_config import Dense, Sol  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights  # noqa: E402
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["allocator_status", "check_allocator", "BridgeError", "to_jax", "to_torch", "TorchPackedKV",
            "meta_from_json", "meta_from_tensor", "meta_to_json", "meta_to_tensor", "torch_buffer_specs",
-           "packed_attention", "required_bytes", "segment_ids_from_cu_seqlens", "sol_attention", "streamed_qkv",
-           "PackedH3Attention", "QKVLayout", "ReferenceH3Attention"]
+           "attention_layer", "packed_attention", "required_bytes", "segment_ids_from_cu_seqlens", "sol_attention",
+           "streamed_qkv", "Dense", "KVStorage", "PackedAttention", "PackedH3Attention", "QKVLayout", "QKVWeights",
+           "ReferenceH3Attention", "Sol"]

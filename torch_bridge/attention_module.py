@@ -1,11 +1,14 @@
-"""H3-style attention blocks: a plain BF16 torch reference and a drop-in on our ops.
+"""Attention blocks on our ops, and the plain BF16 torch block they are checked against.
 
-Why two modules: ``ReferenceH3Attention`` is the block as a model would ship it
-(fused ``qkv_proj`` Linear, per-head RMSNorm on q and k, partial split-half RoPE,
-``F.scaled_dot_product_attention``, ``o_proj``). ``PackedH3Attention`` computes the
-same function through ``torch.ops.packed_kv`` (streamed projection -> packed K/V ->
-packed attention) and loads the reference's ``state_dict`` unchanged, so a model can
-swap one for the other without converting checkpoints.
+``PackedAttention(hidden, layout, storage=..., attention=...)`` is one attention block
+for any ``QKVLayout`` (QK norm per head, across heads or none; RoPE rotate-half or
+pairs): fused ``qkv_proj``, the layout's QK norms, the streamed projection -> packed
+K/V -> dense or Sol attention through one custom op, then ``o_proj``.
+``PackedH3Attention`` is its MiniMax-H3 preset. ``ReferenceH3Attention`` is the H3 block
+as a model would ship it (fused ``qkv_proj`` Linear, per-head RMSNorm on q and k,
+partial split-half RoPE, ``F.scaled_dot_product_attention``, ``o_proj``); the packed
+module loads its ``state_dict`` unchanged, so a model can swap one for the other
+without converting checkpoints.
 
 Shared conventions (MiniMax-H3: hidden 5376, 56 heads x 128, rot_dim 96, eps 1e-5):
 
@@ -22,23 +25,21 @@ Shared conventions (MiniMax-H3: hidden 5376, 56 heads x 128, rot_dim 96, eps 1e-
 * ``o_proj``: Linear(H*D, hidden). Our attention output is un-rotated, so ``o_proj``
   applies to it as is.
 
-``PackedH3Attention(attention="sol")`` uses Sol sparse attention instead of dense.
-Both modules are inference modules for the packed path: its ops have no backward.
+``attention=Sol(...)`` uses Sol sparse attention instead of dense. The packed module
+is inference-only: its ops have no backward.
 """
 from __future__ import annotations
-
-from typing import Sequence
-
-import json
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import formats
-from pallas_kernels.layer import check_attention, required_bytes
-from pallas_kernels.projection import DEFAULT_SCRATCH_BYTES
-from pallas_kernels.qkv_layout import QKVLayout
+from formats.storage import KVStorage, as_storage
+from pallas_kernels.attention_config import Dense, Sol, as_attention
+from pallas_kernels.layer import required_bytes
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
+from torch_bridge import dlpack
+from torch_bridge.ops import attention_layer, settings_json
 
 
 class RMSNorm(nn.Module):
@@ -64,13 +65,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: i
   x1, x2, rest = x[..., :half], x[..., half:rot_dim], x[..., rot_dim:]
   partner = torch.cat([-x2, x1, torch.zeros_like(rest)], dim=-1)
   return x * cos[:, None, :] + partner * sin[:, None, :]
-
-
-def sol_options_json(sol_options: dict | None) -> str:
-  """Sol's settings for the layer op (JSON text), checked by the layer's own rule."""
-  opts = check_attention("sol", sol_options, ())
-  return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items() if v is not None},
-                    sort_keys=True)
 
 
 class ReferenceH3Attention(nn.Module):
@@ -150,81 +144,91 @@ class KernelLayoutLinear(nn.Module):
     return out if self.bias is None else out + self.bias
 
 
-class PackedH3Attention(nn.Module):
-  """The H3 attention block on ``torch.ops.packed_kv``: streamed QKV + packed attention.
+class PackedAttention(nn.Module):
+  """An attention block on ``torch.ops.packed_kv`` for any ``QKVLayout``.
 
   One custom op (``packed_kv::attention_layer``) runs the projection and attention in
   one JAX call: Q and the packed K/V come from the streamed projection, attention
   reads the packed K/V and writes its output over Q, and the packed K/V is freed when
   the call returns, so the block never holds two Q-sized buffers, nor any BF16 copy of
-  K or V. ``o_proj`` then runs in torch. Loads the ``state_dict`` of a
-  ``ReferenceH3Attention`` of the same shape. ``required_bytes(tokens)`` tells the
-  device memory a forward needs above what the caller holds.
+  K or V. ``o_proj`` then runs in torch.
+
+  hidden: the model width. layout: a ``QKVLayout`` (heads, head_dim, QK norm, RoPE).
+  storage: a ``formats.KVStorage`` (None: every block int4). attention: ``Dense(...)``
+  (default) or ``Sol(...)``. qkv_bias / o_bias: the Linears' biases. interpret: kernel
+  interpret mode (None: on unless JAX has a GPU).
+
+  Parameters: ``qkv_proj`` (kernel layout, ``state_dict`` keys of an ``nn.Linear``),
+  ``q_norm`` / ``k_norm`` (RMSNorm weights, (D,) per head or (H*D,) across heads,
+  float32; absent with ``norm="none"``), ``o_proj``.
 
   ``forward(x, rope_cos, rope_sin, *, segment_ids=None, kv_mask=None, kv_lengths=None,
-  block_classes=None)``: ``block_classes`` (one class id per 64-token block, e.g. from
-  ``formats.resolve_block_classes``) overrides the module's ``default_class`` for
-  every block. Under ``torch.compile`` pass it as a tuple of Python ints.
-  ``kv_lengths`` (B,) int32: valid keys per batch row (trailing padding; cuDNN's own
-  mask on the streamed path).
-
-  ``attention="sol"`` swaps dense attention for Sol sparse attention with
-  ``sol_options`` (tau, sink_blocks, sink_q, topk_ratio, tail, max_exact; see
-  ``ops.sol_attention``); Sol takes no segment ids or masks here.
-  ``scratch_bytes`` bounds the projection's and the dense attention's scratch.
+  storage=None)``: x (B, T, hidden) bf16; RoPE tables (T, D) float32, or (T, H*D) with
+  ``layout.rope_per_head``; masks (dense only) as ``pallas_kernels.attention_layer``;
+  ``storage`` overrides the module's for this call (e.g. a per-timestep policy).
+  ``required_bytes(tokens)`` tells the device memory a forward needs above what the
+  caller holds.
   """
 
-  def __init__(self, hidden: int, heads: int, head_dim: int, *, rot_dim: int | None = None,
-               eps: float = 1e-5, qkv_bias: bool = False, o_bias: bool = False,
-               k_scheme: str = formats.DEFAULT_K_SCHEME, v_scheme: str = formats.DEFAULT_V_SCHEME,
-               rotation_seed_k: int = 0, rotation_seed_v: int = 1, default_class: str = "int4",
-               sm_scale: float | None = None, attention: str = "dense",
-               sol_options: dict | None = None, scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+  def __init__(self, hidden: int, layout: QKVLayout, *, storage: KVStorage | None = None,
+               attention: Dense | Sol | None = None, qkv_bias: bool = False, o_bias: bool = False,
                interpret: bool | None = None, dtype: torch.dtype = torch.bfloat16, device=None):
     super().__init__()
-    if default_class not in formats.CLASS_ID:
-      raise ValueError(f"default_class {default_class!r} unknown; use one of {formats.CLASSES}")
-    if attention not in ("dense", "sol"):
-      raise ValueError(f"attention must be 'dense' or 'sol', got {attention!r}")
-    self.attention, self.sol_options = attention, dict(sol_options or {})
-    self._sol_json = sol_options_json(sol_options) if attention == "sol" else ""
-    self.hidden, self.heads, self.head_dim = hidden, heads, head_dim
-    self.layout = QKVLayout.h3(heads, head_dim, rot_dim, eps)
-    self._layout_json = self.layout.to_json()
-    self.rot_dim, self.eps = self.layout.rot_dim, eps
-    self.k_scheme, self.v_scheme = k_scheme, v_scheme
-    self.rotation_seed_k, self.rotation_seed_v = rotation_seed_k, rotation_seed_v
-    self.default_class = formats.CLASS_ID[default_class]
-    self.sm_scale, self.interpret = sm_scale, interpret
-    self.scratch_bytes = int(scratch_bytes)
-    self.qkv_proj = KernelLayoutLinear(hidden, 3 * heads * head_dim, bias=qkv_bias, dtype=dtype,
-                                       device=device)
+    if not isinstance(layout, QKVLayout):
+      raise ValueError(f"layout must be a QKVLayout (e.g. QKVLayout.h3(heads, head_dim)), got {layout!r}")
+    if not isinstance(hidden, int) or hidden <= 0:
+      raise ValueError(f"hidden must be a positive int (the model width), got {hidden!r}")
+    self.layout, self.storage, self.attention = layout, as_storage(storage), as_attention(attention)
+    self.hidden, self.heads, self.head_dim = hidden, layout.heads, layout.head_dim
+    self.interpret = interpret
+    # The op takes each setting as JSON text; computed once here so that a compiled
+    # forward sees constants.
+    self._json = (settings_json(self.layout), settings_json(self.storage), settings_json(self.attention))
+    width = layout.heads * layout.head_dim
+    self.qkv_proj = KernelLayoutLinear(hidden, 3 * width, bias=qkv_bias, dtype=dtype, device=device)
     # Norm weights stay float32: the kernel's epilogue takes them in f32, and loading a
     # bf16 checkpoint into them is exact.
-    self.q_norm = RMSNorm(head_dim, eps, dtype=torch.float32, device=device)
-    self.k_norm = RMSNorm(head_dim, eps, dtype=torch.float32, device=device)
-    self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, dtype=dtype, device=device)
+    if layout.norm_width:
+      self.q_norm = RMSNorm(layout.norm_width, layout.eps, dtype=torch.float32, device=device)
+      self.k_norm = RMSNorm(layout.norm_width, layout.eps, dtype=torch.float32, device=device)
+    else:
+      self.q_norm = self.k_norm = None
+    self.o_proj = nn.Linear(width, hidden, bias=o_bias, dtype=dtype, device=device)
 
-  def required_bytes(self, tokens: int, batch: int = 1, block_classes: Sequence[int] | None = None) -> dict:
+  def extra_repr(self) -> str:
+    return f"hidden={self.hidden}, layout={self.layout}, storage={self.storage}, attention={self.attention}"
+
+  def required_bytes(self, tokens: int, batch: int = 1, storage: KVStorage | None = None) -> dict:
     """Device bytes a forward over ``tokens`` tokens needs above what the caller holds
     (x, the weights, the RoPE tables), phase by phase (``pallas_kernels.layer.required_bytes``)."""
-    return required_bytes(tokens, self.heads, self.head_dim, self.hidden, batch=batch,
-                          block_classes=block_classes, k_scheme=self.k_scheme, v_scheme=self.v_scheme,
-                          attention=self.attention, scratch_bytes=self.scratch_bytes,
-                          sol_options=self.sol_options if self.attention == "sol" else None)
+    return required_bytes(tokens, self.layout, self.hidden, batch=batch,
+                          storage=self.storage if storage is None else storage, attention=self.attention)
 
   def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, *,
               segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
-              kv_lengths: torch.Tensor | None = None, block_classes: Sequence[int] | None = None):
+              kv_lengths: torch.Tensor | None = None, storage: KVStorage | None = None):
+    if x.dim() != 3 or x.shape[-1] != self.hidden:
+      raise dlpack.BridgeError(f"x must be (B, T, hidden={self.hidden}), got {list(x.shape)}; add a batch "
+                               f"dimension with x[None] or check the model width this module was built for")
     b, t, _ = x.shape
-    h, d = self.heads, self.head_dim
-    if block_classes is None:
-      classes = [self.default_class] * (-(-t // formats.BLOCK))
-    else:
-      classes = [int(c) for c in block_classes]
-    o = torch.ops.packed_kv.attention_layer(
-        x, self.qkv_proj.weight_t, self.qkv_proj.bias, self.q_norm.weight.float(), self.k_norm.weight.float(),
-        rope_cos, rope_sin, self._layout_json, classes, self.k_scheme, self.v_scheme, self.rotation_seed_k,
-        self.rotation_seed_v, self.attention, self.sm_scale, segment_ids, kv_mask, kv_lengths, self._sol_json,
-        self.scratch_bytes, self.interpret)
-    return self.o_proj(o.reshape(b, t, h * d))
+    weights = QKVWeights(self.qkv_proj.weight_t, self.qkv_proj.bias,
+                         None if self.q_norm is None else self.q_norm.weight.float(),
+                         None if self.k_norm is None else self.k_norm.weight.float())
+    layout_json, storage_json, attention_json = self._json
+    if storage is not None:
+      storage_json = settings_json(as_storage(storage))
+    o = attention_layer(x, weights, layout=layout_json, rope_cos=rope_cos, rope_sin=rope_sin, storage=storage_json,
+                        attention=attention_json, segment_ids=segment_ids, kv_mask=kv_mask, kv_lengths=kv_lengths,
+                        interpret=self.interpret)
+    return self.o_proj(o.reshape(b, t, self.heads * self.head_dim))
+
+
+class PackedH3Attention(PackedAttention):
+  """``PackedAttention`` with MiniMax-H3's layout (RMSNorm per head, rotate-half RoPE on
+  ``rot_dim`` = 3/4 of each head by default): loads a ``ReferenceH3Attention``'s
+  ``state_dict`` of the same shape. Keywords as ``PackedAttention``."""
+
+  def __init__(self, hidden: int, heads: int, head_dim: int, *, rot_dim: int | None = None, eps: float = 1e-5,
+               **kw):
+    super().__init__(hidden, QKVLayout.h3(heads, head_dim, rot_dim, eps), **kw)
+    self.rot_dim, self.eps = self.layout.rot_dim, eps

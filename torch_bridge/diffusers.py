@@ -3,7 +3,7 @@ and packed K/V instead of ``to_q`` / ``to_k`` / ``to_v`` and SDPA.
 
     from torch_bridge.diffusers import use_packed_attention
     transformer = WanTransformer3DModel.from_pretrained(..., torch_dtype=torch.bfloat16)
-    use_packed_attention(transformer)                  # or attention="sol"
+    use_packed_attention(transformer)                  # or attention=Sol(tau=1.0)
 
 diffusers lets a model swap the processor of each attention module without touching the
 model's code (``attn.set_processor``). ``use_packed_attention`` installs ours on every
@@ -33,17 +33,19 @@ RoPE table for every batch row (LTX-Video builds one per row from shared coordin
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import logging
+from typing import Sequence
 
 import torch
 from torch import nn
 
-import formats
-from pallas_kernels.layer import check_attention
-from pallas_kernels.projection import DEFAULT_SCRATCH_BYTES
-from pallas_kernels.qkv_layout import QKVLayout
+from formats.storage import KVStorage, as_storage
+from pallas_kernels.attention_config import Dense, Sol, as_attention
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 from torch_bridge import dlpack
-from torch_bridge.attention_module import sol_options_json
+from torch_bridge.ops import attention_layer, settings_json
+
+log = logging.getLogger(__name__)
 
 
 def _fuse_projection(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,19 +76,13 @@ class _PackedSelfAttnProcessor:
   _attention_backend = None   # read by diffusers' set_attention_backend / context parallelism
   _parallel_config = None
 
-  def __init__(self, attn, *, attention: str, block_classes: Callable[[int], Sequence[int]] | None,
-               default_class: str, sol_options: dict | None, scratch_bytes: int, interpret: bool | None):
-    check_attention(attention, sol_options if attention == "sol" else None, ())
-    if default_class not in formats.CLASS_ID:
-      raise ValueError(f"default_class {default_class!r} unknown; use one of {formats.CLASSES}")
-    self.attention = attention
-    self.block_classes = block_classes
-    self.default_class = formats.CLASS_ID[default_class]
-    self.sol_json = sol_options_json(sol_options) if attention == "sol" else ""
-    self.scratch_bytes = int(scratch_bytes)
+  def __init__(self, attn, *, attention: Dense | Sol | None = None, storage: KVStorage | None = None,
+               interpret: bool | None = None):
+    self.attention, self.storage = as_attention(attention), as_storage(storage)
     self.interpret = interpret
     self.layout = self.layout_of(attn, _eps(attn.norm_q))
-    self.layout_json = self.layout.to_json()
+    # The op's settings as JSON text, computed once (constants under torch.compile).
+    self.settings = tuple(settings_json(v) for v in (self.layout, self.storage, self.attention))
     if getattr(attn, "fused_projections", False) and getattr(attn, "to_qkv", None) is not None:
       raise NotImplementedError("this module's projections are fused (fuse_qkv_projections); call "
                                 "unfuse_qkv_projections() before use_packed_attention")
@@ -103,10 +99,10 @@ class _PackedSelfAttnProcessor:
     raise NotImplementedError
 
   # -- the call ------------------------------------------------------------------------
-  def _classes(self, t: int) -> list[int]:
-    if self.block_classes is None:
-      return [self.default_class] * (-(-t // formats.BLOCK))
-    return [int(c) for c in self.block_classes(t)]
+  def check_self_attention(self, encoder_hidden_states, attention_mask):
+    if encoder_hidden_states is not None or attention_mask is not None:
+      raise NotImplementedError(f"{type(self).__name__} is for self-attention without a mask (attn1); install it "
+                                "with use_packed_attention, which leaves cross-attention stock")
 
   def attend(self, attn, hidden_states, rotary_emb):
     if hidden_states.dtype != torch.bfloat16 or self.w_qkv.dtype != torch.bfloat16:
@@ -118,10 +114,10 @@ class _PackedSelfAttnProcessor:
                                "fused weights are stale; call use_packed_attention again after .to(...)")
     b, t, _ = hidden_states.shape
     cos, sin = self.tables(rotary_emb, b, t)
-    o = torch.ops.packed_kv.attention_layer(
-        hidden_states.contiguous(), self.w_qkv, self.bias, self.q_norm, self.k_norm, cos, sin, self.layout_json,
-        self._classes(t), formats.DEFAULT_K_SCHEME, formats.DEFAULT_V_SCHEME, 0, 1, self.attention, None, None,
-        None, None, self.sol_json, self.scratch_bytes, self.interpret)
+    layout, storage, attention = self.settings
+    o = attention_layer(hidden_states.contiguous(), QKVWeights(self.w_qkv, self.bias, self.q_norm, self.k_norm),
+                        layout=layout, rope_cos=cos, rope_sin=sin, storage=storage, attention=attention,
+                        interpret=self.interpret)
     out = attn.to_out[0](o.flatten(2, 3))
     return attn.to_out[1](out)
 
@@ -154,9 +150,7 @@ class PackedWanAttnProcessor(_PackedSelfAttnProcessor):
     return (cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous())
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-    if encoder_hidden_states is not None or attention_mask is not None:
-      raise NotImplementedError("PackedWanAttnProcessor is for self-attention without a mask (attn1); "
-                                "install it with use_packed_attention, which leaves cross-attention stock")
+    self.check_self_attention(encoder_hidden_states, attention_mask)
     return self.attend(attn, hidden_states, rotary_emb)
 
 
@@ -177,9 +171,7 @@ class PackedLTXAttnProcessor(_PackedSelfAttnProcessor):
             _same_rows(sin, "image_rotary_emb sin").float().contiguous())
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-    if encoder_hidden_states is not None or attention_mask is not None:
-      raise NotImplementedError("PackedLTXAttnProcessor is for self-attention without a mask (attn1); "
-                                "install it with use_packed_attention, which leaves cross-attention stock")
+    self.check_self_attention(encoder_hidden_states, attention_mask)
     return self.attend(attn, hidden_states, image_rotary_emb)
 
 
@@ -203,72 +195,27 @@ def _self_attention_modules(transformer):
   return found
 
 
-def use_packed_attention(transformer, *, attention: str = "dense", default_class: str = "int4",
-                         block_classes: Callable[[int], Sequence[int]] | None = None,
-                         sol_options: dict | None = None, scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, storage: KVStorage | None = None,
                          interpret: bool | None = None) -> list[str]:
   """Install packed attention on every video self-attention of a diffusers transformer.
 
-  attention: ``"dense"`` or ``"sol"`` (with ``sol_options``: tau, sink_blocks, ...).
-  default_class: every 64-token block of K/V in ``"int4"``, ``"int8"`` or ``"bf16"``;
-  ``block_classes(T)`` overrides it per call with one class id per block (e.g.
-  ``lambda t: formats.resolve_block_classes(t, [(0, 4096, "int8")])``).
-  scratch_bytes: bound of the projection's and the dense attention's scratch.
-  Returns the names of the modules now on packed attention; raises ValueError for a
-  transformer with none (the supported classes are listed in this module's docstring).
+  attention: ``Dense(...)`` (default) or ``Sol(...)`` (``pallas_kernels``).
+  storage: a ``formats.KVStorage`` (None: every block int4), e.g.
+  ``KVStorage(token_ranges=[(0, 4096, "int8")])`` for an int8 prefix; its token ranges
+  fit any sequence length. The settings are checked here, before anything is installed.
+  Returns the names of the modules now on packed attention (also logged); raises
+  ValueError for a transformer with none (the supported classes are listed in this
+  module's docstring).
   """
+  if not isinstance(transformer, nn.Module):
+    raise ValueError(f"use_packed_attention expects a diffusers transformer (a torch nn.Module such as "
+                     f"WanTransformer3DModel), got {type(transformer).__name__}")
+  attention, storage = as_attention(attention), as_storage(storage)
   found = _self_attention_modules(transformer)
   if not found:
     raise ValueError(f"{type(transformer).__name__} has no attention module packed attention supports; it "
                      "supports WanTransformer3DModel and LTXVideoTransformer3DModel (self-attention attn1)")
-  for _, module, cls in found:
-    module.set_processor(cls(module, attention=attention, block_classes=block_classes,
-                             default_class=default_class, sol_options=sol_options, scratch_bytes=scratch_bytes,
-                             interpret=interpret))
+  for name, module, cls in found:
+    module.set_processor(cls(module, attention=attention, storage=storage, interpret=interpret))
+    log.info("use_packed_attention: %s on %s", name, cls.__name__)
   return [name for name, _, _ in found]
-
-
-def tiny_transformer(name: str, *, layers: int = 2, seed: int = 0):
-  """(model, forward kwargs): a tiny random bf16 model of a supported class ("wan" or
-  "ltx"; 2 heads of 64, 128 video tokens) with example inputs, on the CPU. For tests,
-  demos and checking an install; real models come from ``from_pretrained``."""
-  import diffusers
-  torch.manual_seed(seed)
-  if name == "wan":
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=256, ffn_dim=64, num_layers=layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
-    inputs = dict(hidden_states=torch.randn(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
-                  encoder_hidden_states=torch.randn(1, 12, 16))
-  elif name == "ltx":
-    model = diffusers.LTXVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, cross_attention_dim=128,
-        num_layers=layers, qk_norm="rms_norm_across_heads", caption_channels=16)
-    inputs = dict(hidden_states=torch.randn(1, 2 * 8 * 8, 4), encoder_hidden_states=torch.randn(1, 12, 16),
-                  timestep=torch.tensor([500]), encoder_attention_mask=torch.ones(1, 12, dtype=torch.bool),
-                  num_frames=2, height=8, width=8, rope_interpolation_scale=(8 / 25, 32, 32))
-  else:
-    raise ValueError(f"name must be 'wan' or 'ltx', got {name!r}")
-  inputs = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v)
-            for k, v in inputs.items()}
-  return model.to(torch.bfloat16).eval(), inputs
-
-
-def parity(name: str, classes=("bf16", "int8", "int4")) -> dict:
-  """Our processors against the stock ones on ``tiny_transformer(name)``: quality of
-  the whole model's output and of the first self-attention's, per K/V class."""
-  from pallas_kernels.testing import quality
-  model, inputs = tiny_transformer(name)
-  first = next(m for n, m in model.named_modules() if n.endswith("attn1"))
-  seen = []
-  first.register_forward_hook(lambda mod, args, out: seen.append(out.float().numpy()))
-  out = {}
-  with torch.no_grad():
-    want = model(**inputs, return_dict=False)[0].float().numpy()
-    want_attn = seen.pop()
-    for cls in classes:
-      use_packed_attention(model, default_class=cls)
-      got = model(**inputs, return_dict=False)[0].float().numpy()
-      out[cls] = {"model": quality(got, want), "attention": quality(seen.pop(), want_attn)}
-  return out

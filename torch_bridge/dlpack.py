@@ -217,8 +217,3 @@ def to_torch(a: jax.Array, name: str) -> torch.Tensor:
   if t.data_ptr() != a.unsafe_buffer_pointer():
     raise BridgeError(f"torch copied JAX output {name} instead of sharing it; this is a bridge bug")
   return t
-
-
-def share_memory(t: torch.Tensor, a: jax.Array) -> bool:
-  """Whether a torch tensor and a JAX array start at the same device address."""
-  return t.data_ptr() == a.unsafe_buffer_pointer()

@@ -6,31 +6,26 @@ computes output shapes from ``formats.buffer_specs``, so tracing never runs JAX.
 
 Calling convention. Custom ops take and return tensors (plus ints, floats, bools,
 strings and lists of them), so the packed K/V crosses as a fixed tuple of tensors in
-``formats.ARRAY_NAMES`` order, and its static metadata (token count, block classes,
-schemes, rotation seeds) as plain op arguments; batch, heads and head dim are read
-from the tensors. ``streamed_qkv`` / ``packed_attention`` below wrap the ops with
-``TorchPackedKV`` for eager callers; compiled models may call the ops directly (as
-``attention_module.PackedH3Attention`` does) because dynamo does not need to look
-inside a dataclass then.
+``formats.ARRAY_NAMES`` order, and every setting as the JSON text of its value: the
+``QKVLayout``, the ``formats.KVStorage`` and the attention config (``Dense`` / ``Sol``),
+each checked by its own class, so the JAX API and the torch ops share one rule for each.
+``streamed_qkv`` / ``packed_attention`` / ``sol_attention`` / ``attention_layer``
+below wrap the ops for torch callers (``TorchPackedKV`` for the packed K/V);
+``attention_module.PackedAttention`` and the diffusers processors call
+``attention_layer``.
 
 Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)``):
 
 * ``packed_kv::streamed_qkv(x, w_qkv, bias?, q_norm_weight?, k_norm_weight?, rope_cos,
-  rope_sin, layout, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-  method, scratch_bytes, interpret?) -> (q, *packed)``: 17 tensors. ``layout`` is
-  ``QKVLayout.to_json()`` text (heads, head dim, QK norm, RoPE style, eps).
-* ``packed_kv::packed_attention(q, packed[16], num_tokens, block_classes, k_scheme,
-  v_scheme, rotation_seed_k, rotation_seed_v, sm_scale?, q_segment_ids?,
-  kv_segment_ids?, kv_mask?, kv_lengths?, keep_rotated, method, scratch_bytes, interpret?) -> o``.
-* ``packed_kv::sol_attention(q, packed[16], num_tokens, block_classes, k_scheme,
-  v_scheme, rotation_seed_k, rotation_seed_v, tau, sm_scale?, sink_blocks?, sink_q?,
-  key_bias?, topk_ratio, tail, block_len?, max_exact?, keep_rotated, interpret?) -> o``.
+  rope_sin, layout, storage, method, scratch_bytes, interpret?) -> (q, *packed)``.
+* ``packed_kv::packed_attention(q, packed[16], num_tokens, storage, attention,
+  q_segment_ids?, kv_segment_ids?, kv_mask?, kv_lengths?, keep_rotated, interpret?) -> o``.
+* ``packed_kv::sol_attention(q, packed[16], num_tokens, storage, attention, key_bias?,
+  block_len?, keep_rotated, interpret?) -> o``.
 * ``packed_kv::attention_layer(x, w_qkv, bias?, q_norm_weight?, k_norm_weight?, rope_cos,
-  rope_sin, layout, block_classes, k_scheme, v_scheme, rotation_seed_k, rotation_seed_v,
-  attention, sm_scale?, segment_ids?, kv_mask?, kv_lengths?, sol_options, scratch_bytes,
-  interpret?) -> o``: projection and attention in one JAX call, the output over Q
-  (``pallas_kernels.layer``); ``sol_options`` is JSON text of Sol's settings ("" for
-  dense).
+  rope_sin, layout, storage, attention, segment_ids?, kv_mask?, kv_lengths?, interpret?)
+  -> o``: projection and attention in one JAX call, the output over Q
+  (``pallas_kernels.layer``).
 
 Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
 stream-ordered; outputs are freed the moment torch drops them; read that module's
@@ -47,18 +42,19 @@ device the bridge gives torch's cached free blocks back to the device
 """
 from __future__ import annotations
 
-import json
 from typing import Optional, Sequence
 
 import torch
 
 import formats
-from formats import ARRAY_NAMES, PackedKVMeta
+from formats import ARRAY_NAMES, KVStorage, PackedKVMeta
+from formats.storage import as_storage
 from pallas_kernels import attention as jattention
 from pallas_kernels import layer as jlayer
 from pallas_kernels import sol as jsol
-from pallas_kernels import projection as jqkv
-from pallas_kernels.qkv_layout import QKVLayout
+from pallas_kernels import qkv_projection as jqkv
+from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense, Sol, as_attention, attention_from_json
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 from torch_bridge import allocator, dlpack
 from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
 
@@ -104,9 +100,23 @@ def _check_fake(t, name, *, dtype=None, shape=None, ndim=None, device=None):
   return t
 
 
-def _default_classes(num_tokens: int) -> list[int]:
-  """Every block int4: the default policy when the caller gives none."""
-  return [formats.CLASS_ID["int4"]] * (-(-num_tokens // formats.BLOCK))
+def _storage(text: str) -> KVStorage:
+  """The op's storage argument (``KVStorage.to_json()`` text) as a KVStorage."""
+  try:
+    return KVStorage.from_json(text)
+  except (TypeError, ValueError, KeyError) as e:
+    raise dlpack.BridgeError(f"storage rejected: {e}") from None
+
+
+def _attention(text: str, kind=None):
+  """The op's attention argument (``Dense(...).to_json()`` / ``Sol(...).to_json()``)."""
+  try:
+    cfg = attention_from_json(text)
+  except (TypeError, ValueError) as e:
+    raise dlpack.BridgeError(f"attention rejected: {e}") from None
+  if kind is not None and not isinstance(cfg, kind):
+    raise dlpack.BridgeError(f"this op takes a {kind.__name__}(...) config, got {cfg!r}")
+  return cfg
 
 
 # --------------------------------------------------------------------------------------
@@ -120,23 +130,26 @@ def _layout(layout) -> QKVLayout:
     raise dlpack.BridgeError(f"layout rejected: {e}") from None
 
 
-def _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout: QKVLayout, block_classes,
-              k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, *, real: bool) -> PackedKVMeta:
+def _weights(w_qkv, bias, q_norm_weight, k_norm_weight) -> QKVWeights:
+  return QKVWeights(w_qkv, bias, q_norm_weight, k_norm_weight)
+
+
+def _qkv_meta(x, weights: QKVWeights, rope_cos, rope_sin, layout: QKVLayout, storage: KVStorage, *,
+              real: bool) -> PackedKVMeta:
   """Validate the projection's inputs; return the metadata of its packed K/V."""
   _check(x, "x", real=real, dtype=torch.bfloat16, ndim=3)
   b, t, hidden = x.shape
   dev = x.device
-  _check(w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, layout.width), device=dev)
-  _check(bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,), device=dev)
-  for name, wgt in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-    _check(wgt, name, real=real, dtype=torch.float32, device=dev)
+  _check(weights.w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, layout.width), device=dev)
+  _check(weights.bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,), device=dev)
+  for name in ("q_norm_weight", "k_norm_weight"):
+    _check(getattr(weights, name), name, real=real, dtype=torch.float32, device=dev)
   _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, device=dev)
   _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, device=dev)
   try:
-    layout.check_norm_weights(q_norm_weight, k_norm_weight)
+    layout.check_norm_weights(weights.q_norm_weight, weights.k_norm_weight)
     layout.check_tables(rope_cos, rope_sin, t)
-    return PackedKVMeta(b, layout.heads, layout.head_dim, t, tuple(int(c) for c in block_classes), k_scheme,
-                        v_scheme, int(rotation_seed_k), int(rotation_seed_v))
+    return storage.meta(b, layout.heads, layout.head_dim, t)
   except ValueError as e:
     raise dlpack.BridgeError(f"projection inputs rejected: {e}") from None
 
@@ -146,25 +159,23 @@ def _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, r
           "rope_cos": rope_cos, "rope_sin": rope_sin}
 
 
+def _jax_weights(j: dict) -> QKVWeights:
+  return QKVWeights(j["w_qkv"], j["bias"], j["q_norm_weight"], j["k_norm_weight"])
+
+
 @torch.library.custom_op(f"{NAMESPACE}::streamed_qkv", mutates_args=())
 def _streamed_qkv_op(
     x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: Optional[torch.Tensor],
     k_norm_weight: Optional[torch.Tensor], rope_cos: torch.Tensor, rope_sin: torch.Tensor, layout: str,
-    block_classes: Sequence[int], k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
-    method: str, scratch_bytes: int, interpret: Optional[bool],
+    storage: str, method: str, scratch_bytes: int, interpret: Optional[bool],
 ) -> _QKV_RESULT:
-  lay = _layout(layout)
-  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes, k_scheme,
-                   v_scheme, rotation_seed_k, rotation_seed_v, real=True)
+  lay, st = _layout(layout), _storage(storage)
+  meta = _qkv_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, st, real=True)
   inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
   _enter_jax(inputs, interpret)
   j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
-  q, packed = jqkv.streamed_qkv(
-      j["x"], j["w_qkv"], j["bias"], layout=lay, q_norm_weight=j["q_norm_weight"],
-      k_norm_weight=j["k_norm_weight"], rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
-      block_classes=meta.block_classes, k_scheme=k_scheme, v_scheme=v_scheme,
-      rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v, method=method,
-      scratch_bytes=int(scratch_bytes), interpret=interpret)
+  q, packed = jqkv.streamed_qkv(j["x"], _jax_weights(j), layout=lay, rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
+                                storage=st, method=method, scratch_bytes=int(scratch_bytes), interpret=interpret)
   if packed.meta != meta:
     raise dlpack.BridgeError(f"kernel returned packed K/V metadata {packed.meta}, expected {meta}")
   # Outputs are imported (queuing torch's wait on JAX) before the JAX views of the
@@ -173,46 +184,44 @@ def _streamed_qkv_op(
 
 
 @_streamed_qkv_op.register_fake
-def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes,
-                       k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, method, scratch_bytes, interpret):
+def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, storage, method,
+                       scratch_bytes, interpret):
   lay = _layout(layout)
-  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes, k_scheme,
-                   v_scheme, rotation_seed_k, rotation_seed_v, real=False)
+  meta = _qkv_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay,
+                   _storage(storage), real=False)
   b, t, _ = x.shape
   q = x.new_empty((b, t, lay.heads, lay.head_dim), dtype=torch.bfloat16)
   specs = torch_buffer_specs(meta)
   return (q, *(x.new_empty(specs[n][0], dtype=specs[n][1]) for n in ARRAY_NAMES))
 
 
-def streamed_qkv(x: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None = None, *, layout: QKVLayout,
-                 q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, block_classes: Sequence[int] | None = None,
-                 k_scheme: str = formats.DEFAULT_K_SCHEME, v_scheme: str = formats.DEFAULT_V_SCHEME,
-                 rotation_seed_k: int = 0, rotation_seed_v: int = 1, method: str = "auto",
-                 scratch_bytes: int = jqkv.DEFAULT_SCRATCH_BYTES,
+def streamed_qkv(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, rope_cos: torch.Tensor,
+                 rope_sin: torch.Tensor, storage: KVStorage | None = None, method: str = "auto",
+                 scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
                  interpret: bool | None = None) -> tuple[torch.Tensor, TorchPackedKV]:
   """Torch front end of ``pallas_kernels.streamed_qkv``.
 
-  Same arguments (``layout``: a ``QKVLayout``), torch tensors in and out: returns Q
-  (B, T, H, D) bf16 in the rotated basis and the packed K/V as a ``TorchPackedKV``
-  whose tensors are the kernel's own output buffers. ``block_classes=None`` means
-  every block int4.
+  Same arguments (``weights``: a ``QKVWeights`` of torch tensors; ``layout``: a
+  ``QKVLayout``; ``storage``: a ``formats.KVStorage``, None for every block int4),
+  torch tensors in and out: returns Q (B, T, H, D) bf16 in the rotated basis and the
+  packed K/V as a ``TorchPackedKV`` whose tensors are the kernel's own output buffers.
   """
-  t = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
-  classes = _default_classes(t) if block_classes is None else [int(c) for c in block_classes]
-  out = torch.ops.packed_kv.streamed_qkv(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin,
-                                         layout.to_json(), classes, k_scheme, v_scheme, rotation_seed_k,
-                                         rotation_seed_v, method, scratch_bytes, interpret)
-  meta = PackedKVMeta(x.shape[0], layout.heads, layout.head_dim, t, tuple(classes), k_scheme, v_scheme,
-                      rotation_seed_k, rotation_seed_v)
+  storage = as_storage(storage)
+  if not isinstance(weights, QKVWeights):
+    raise dlpack.BridgeError(f"weights must be a QKVWeights(w_qkv, bias, q_norm_weight, k_norm_weight) of "
+                             f"torch tensors, got {type(weights).__name__}")
+  out = torch.ops.packed_kv.streamed_qkv(x, weights.w_qkv, weights.bias, weights.q_norm_weight,
+                                         weights.k_norm_weight, rope_cos, rope_sin, layout.to_json(),
+                                         storage.to_json(), method, int(scratch_bytes), interpret)
+  meta = storage.meta(x.shape[0], layout.heads, layout.head_dim, x.shape[1])
   return out[0], TorchPackedKV.from_tuple(meta, out[1:])
 
 
 # --------------------------------------------------------------------------------------
 # Dense packed attention
 # --------------------------------------------------------------------------------------
-def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                    rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths=None, *, real: bool):
+def _attention_meta(q, packed, num_tokens, storage: KVStorage, q_segment_ids, kv_segment_ids, kv_mask,
+                    kv_lengths=None, *, real: bool):
   """Validate attention inputs against the format; return the packed K/V metadata."""
   _check(q, "q", real=real, dtype=torch.bfloat16, ndim=4)
   b, tq, h, d = q.shape
@@ -220,8 +229,7 @@ def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, ro
     raise dlpack.BridgeError(f"packed must hold {NUM_ARRAYS} tensors in formats.ARRAY_NAMES order, "
                              f"got {len(packed)}")
   try:
-    meta = PackedKVMeta(b, h, d, int(num_tokens), tuple(int(c) for c in block_classes), k_scheme,
-                        v_scheme, int(rotation_seed_k), int(rotation_seed_v))
+    meta = storage.meta(b, h, d, int(num_tokens))
   except ValueError as e:
     raise dlpack.BridgeError(f"packed K/V metadata rejected by the format (q is {list(q.shape)}): "
                              f"{e}") from None
@@ -242,65 +250,65 @@ def _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, ro
   return meta
 
 
+def _jax_packed(meta, packed):
+  return formats.PackedKV(meta, {n: dlpack.to_jax(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
+
+
 @torch.library.custom_op(f"{NAMESPACE}::packed_attention", mutates_args=())
 def _packed_attention_op(
-    q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, block_classes: Sequence[int],
-    k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
-    sm_scale: Optional[float], q_segment_ids: Optional[torch.Tensor],
-    kv_segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
-    kv_lengths: Optional[torch.Tensor], keep_rotated: bool, method: str, scratch_bytes: int,
-    interpret: Optional[bool],
+    q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, storage: str, attention: str,
+    q_segment_ids: Optional[torch.Tensor], kv_segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
+    kv_lengths: Optional[torch.Tensor], keep_rotated: bool, interpret: Optional[bool],
 ) -> torch.Tensor:
-  meta = _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                         rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths, real=True)
+  cfg = _attention(attention, Dense)
+  meta = _attention_meta(q, packed, num_tokens, _storage(storage), q_segment_ids, kv_segment_ids, kv_mask,
+                         kv_lengths, real=True)
   _enter_jax({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")],
               "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids, "kv_mask": kv_mask,
               "kv_lengths": kv_lengths}, interpret)
   j = dlpack.to_jax
-  jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
   o = jattention.packed_attention(
-      j(q, "q"), jpacked, sm_scale=sm_scale, q_segment_ids=j(q_segment_ids, "q_segment_ids"),
+      j(q, "q"), _jax_packed(meta, packed), cfg, q_segment_ids=j(q_segment_ids, "q_segment_ids"),
       kv_segment_ids=j(kv_segment_ids, "kv_segment_ids"), kv_mask=j(kv_mask, "kv_mask"),
-      kv_lengths=j(kv_lengths, "kv_lengths"), keep_rotated=bool(keep_rotated), method=method,
-      scratch_bytes=int(scratch_bytes), interpret=interpret)
+      kv_lengths=j(kv_lengths, "kv_lengths"), keep_rotated=bool(keep_rotated), interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
 @_packed_attention_op.register_fake
-def _packed_attention_fake(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                           rotation_seed_v, sm_scale, q_segment_ids, kv_segment_ids, kv_mask,
-                           kv_lengths, keep_rotated, method, scratch_bytes, interpret):
-  _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                  rotation_seed_v, q_segment_ids, kv_segment_ids, kv_mask, kv_lengths, real=False)
+def _packed_attention_fake(q, packed, num_tokens, storage, attention, q_segment_ids, kv_segment_ids, kv_mask,
+                           kv_lengths, keep_rotated, interpret):
+  _attention(attention, Dense)
+  _attention_meta(q, packed, num_tokens, _storage(storage), q_segment_ids, kv_segment_ids, kv_mask, kv_lengths,
+                  real=False)
   return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
-def _attention_args(packed: TorchPackedKV):
-  m = packed.meta
-  return (list(packed.as_tuple()), m.num_tokens, list(m.block_classes), m.k_scheme, m.v_scheme,
-          m.rotation_seed_k, m.rotation_seed_v)
-
-
-def packed_attention(q: torch.Tensor, packed: TorchPackedKV, *, sm_scale: float | None = None,
-                     q_segment_ids: torch.Tensor | None = None,
-                     kv_segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
-                     kv_lengths: torch.Tensor | None = None, keep_rotated: bool = False,
-                     method: str = "auto", scratch_bytes: int = jattention.DEFAULT_SCRATCH_BYTES,
-                     interpret: bool | None = None) -> torch.Tensor:
-  """Torch front end of ``pallas_kernels.attention.packed_attention``.
-
-  q (B, Tq, H, D) bf16 in the rotated basis (as ``streamed_qkv`` returns it); returns
-  O (B, Tq, H, D) bf16, un-rotated unless ``keep_rotated``. Segment ids are int32, (T,)
-  shared by the batch (``segment_ids_from_cu_seqlens``) or (B, T); ``kv_mask`` is
-  (B, Tk) bool with True = attend; ``kv_lengths`` (B,) int32 valid keys per batch row.
-  A query that sees no key outputs 0. ``method`` / ``scratch_bytes``: see the JAX function.
-  """
+def _packed_args(packed) -> tuple:
   if not isinstance(packed, TorchPackedKV):
     raise dlpack.BridgeError(f"packed must be a TorchPackedKV, got {type(packed).__name__}; wrap "
                              "raw tensors with TorchPackedKV.from_tuple(meta, tensors)")
-  return torch.ops.packed_kv.packed_attention(q, *_attention_args(packed), sm_scale, q_segment_ids,
-                                              kv_segment_ids, kv_mask, kv_lengths, keep_rotated, method,
-                                              scratch_bytes, interpret)
+  return list(packed.as_tuple()), packed.meta.num_tokens, KVStorage.of(packed.meta).to_json()
+
+
+def packed_attention(q: torch.Tensor, packed: TorchPackedKV, attention: Dense | None = None, *,
+                     q_segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
+                     kv_mask: torch.Tensor | None = None, kv_lengths: torch.Tensor | None = None,
+                     keep_rotated: bool = False, interpret: bool | None = None) -> torch.Tensor:
+  """Torch front end of ``pallas_kernels.packed_attention``.
+
+  q (B, Tq, H, D) bf16 in the rotated basis (as ``streamed_qkv`` returns it); returns
+  O (B, Tq, H, D) bf16, un-rotated unless ``keep_rotated``. ``attention``: a ``Dense``
+  config (None: ``Dense()``). Segment ids are int32, (T,) shared by the batch
+  (``segment_ids_from_cu_seqlens``) or (B, T); ``kv_mask`` is (B, Tk) bool with True =
+  attend; ``kv_lengths`` (B,) int32 valid keys per batch row. A query that sees no key
+  outputs 0.
+  """
+  attention = Dense() if attention is None else attention
+  if not isinstance(attention, Dense):
+    raise dlpack.BridgeError(f"packed_attention takes a Dense(...) config, got {attention!r}; Sol runs through "
+                             "sol_attention")
+  return torch.ops.packed_kv.packed_attention(q, *_packed_args(packed), attention.to_json(), q_segment_ids,
+                                              kv_segment_ids, kv_mask, kv_lengths, bool(keep_rotated), interpret)
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -322,11 +330,9 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> to
 _SOL_KEY_BIAS_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-              rotation_seed_v, key_bias, block_len, *, real: bool):
+def _sol_meta(q, packed, num_tokens, storage, key_bias, block_len, *, real: bool):
   """Validate Sol's inputs (the dense checks plus Sol's own); return the metadata."""
-  meta = _attention_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                         rotation_seed_v, None, None, None, real=real)
+  meta = _attention_meta(q, packed, num_tokens, storage, None, None, None, real=real)
   if q.shape[1] != meta.num_tokens:
     raise dlpack.BridgeError(f"Sol attention is self-attention: q has {q.shape[1]} tokens but the "
                              f"packed K/V has {meta.num_tokens}; use packed_attention for Tq != Tkv")
@@ -342,83 +348,52 @@ def _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation
 
 @torch.library.custom_op(f"{NAMESPACE}::sol_attention", mutates_args=())
 def _sol_attention_op(
-    q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, block_classes: Sequence[int],
-    k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int, tau: float,
-    sm_scale: Optional[float], sink_blocks: Optional[Sequence[int]], sink_q: Optional[Sequence[int]],
-    key_bias: Optional[torch.Tensor], topk_ratio: float, tail: bool,
-    block_len: Optional[torch.Tensor], max_exact: Optional[int], keep_rotated: bool,
+    q: torch.Tensor, packed: Sequence[torch.Tensor], num_tokens: int, storage: str, attention: str,
+    key_bias: Optional[torch.Tensor], block_len: Optional[torch.Tensor], keep_rotated: bool,
     interpret: Optional[bool],
 ) -> torch.Tensor:
-  meta = _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                   rotation_seed_v, key_bias, block_len, real=True)
+  cfg = _attention(attention, Sol)
+  meta = _sol_meta(q, packed, num_tokens, _storage(storage), key_bias, block_len, real=True)
   _enter_jax({"q": q, "packed.k_mean": packed[ARRAY_NAMES.index("k_mean")], "key_bias": key_bias,
               "block_len": block_len}, interpret)
   j = dlpack.to_jax
-  jpacked = formats.PackedKV(meta, {n: j(t, f"packed.{n}") for n, t in zip(ARRAY_NAMES, packed)})
-  o = jsol.sol_attention(
-      j(q, "q"), jpacked, tau=float(tau), sm_scale=sm_scale,
-      sink_blocks=None if sink_blocks is None else tuple(int(v) for v in sink_blocks),
-      sink_q=None if sink_q is None else tuple(int(v) for v in sink_q),
-      key_bias=j(key_bias, "key_bias"), topk_ratio=float(topk_ratio), tail=bool(tail),
-      block_len=j(block_len, "block_len"), max_exact=None if max_exact is None else int(max_exact),
-      keep_rotated=bool(keep_rotated), interpret=interpret)
+  o = jsol.sol_attention(j(q, "q"), _jax_packed(meta, packed), cfg, key_bias=j(key_bias, "key_bias"),
+                         block_len=j(block_len, "block_len"), keep_rotated=bool(keep_rotated), interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
 @_sol_attention_op.register_fake
-def _sol_attention_fake(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-                        rotation_seed_v, tau, sm_scale, sink_blocks, sink_q, key_bias, topk_ratio, tail,
-                        block_len, max_exact, keep_rotated, interpret):
-  _sol_meta(q, packed, num_tokens, block_classes, k_scheme, v_scheme, rotation_seed_k,
-            rotation_seed_v, key_bias, block_len, real=False)
+def _sol_attention_fake(q, packed, num_tokens, storage, attention, key_bias, block_len, keep_rotated, interpret):
+  _attention(attention, Sol)
+  _sol_meta(q, packed, num_tokens, _storage(storage), key_bias, block_len, real=False)
   return q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
-def sol_attention(q: torch.Tensor, packed: TorchPackedKV, *, tau: float = 1.0,
-                  sm_scale: float | None = None, sink_blocks: Sequence[int] | None = None,
-                  sink_q: Sequence[int] | None = None, key_bias: torch.Tensor | None = None,
-                  topk_ratio: float = 0.0, tail: bool = True, block_len: torch.Tensor | None = None,
-                  max_exact: int | None = None, keep_rotated: bool = False,
-                  interpret: bool | None = None) -> torch.Tensor:
+def sol_attention(q: torch.Tensor, packed: TorchPackedKV, attention: Sol | None = None, *,
+                  key_bias: torch.Tensor | None = None, block_len: torch.Tensor | None = None,
+                  keep_rotated: bool = False, interpret: bool | None = None) -> torch.Tensor:
   """Torch front end of ``pallas_kernels.sol_attention``.
 
-  Self-attention only (q has the packed K/V's T tokens). Parameters follow
-  comfy-kitchen's ``sol_attn`` (see that module's docstring); ``key_bias`` is (T,),
-  (B, T) or (B, 1, 1, T), bool (True = attend) or float (natural-log bias);
-  ``block_len`` is (NB,) int32. A precomputed ``routing`` is not accepted here: the
-  JAX function recomputes it inside the same call.
+  Self-attention only (q has the packed K/V's T tokens). ``attention``: a ``Sol``
+  config (comfy-kitchen's ``sol_attn`` settings; None: ``Sol()``); ``key_bias`` is
+  (T,), (B, T) or (B, 1, 1, T), bool (True = attend) or float (natural-log bias);
+  ``block_len`` is (NB,) int32. Routing is computed inside the same call.
   """
-  if not isinstance(packed, TorchPackedKV):
-    raise dlpack.BridgeError(f"packed must be a TorchPackedKV, got {type(packed).__name__}; wrap "
-                             "raw tensors with TorchPackedKV.from_tuple(meta, tensors)")
-  return torch.ops.packed_kv.sol_attention(
-      q, *_attention_args(packed), float(tau), sm_scale,
-      None if sink_blocks is None else [int(v) for v in sink_blocks],
-      None if sink_q is None else [int(v) for v in sink_q], key_bias, float(topk_ratio), bool(tail),
-      block_len, max_exact, keep_rotated, interpret)
+  attention = Sol() if attention is None else attention
+  if not isinstance(attention, Sol):
+    raise dlpack.BridgeError(f"sol_attention takes a Sol(...) config, got {attention!r}")
+  return torch.ops.packed_kv.sol_attention(q, *_packed_args(packed), attention.to_json(), key_bias, block_len,
+                                           bool(keep_rotated), interpret)
 
 
 # --------------------------------------------------------------------------------------
-# The attention core of an H3 block: projection + attention in one JAX call
+# The attention core of a block: projection + attention in one JAX call
 # --------------------------------------------------------------------------------------
-def _sol_options(sol_options: str) -> dict | None:
-  """The layer op's Sol settings (JSON text, "" for dense attention)."""
-  if not sol_options:
-    return None
+def _layer_meta(x, weights, rope_cos, rope_sin, layout, storage, attention, segment_ids, kv_mask, kv_lengths, *,
+                real: bool) -> PackedKVMeta:
+  meta = _qkv_meta(x, weights, rope_cos, rope_sin, layout, storage, real=real)
   try:
-    opts = json.loads(sol_options)
-  except ValueError:
-    raise dlpack.BridgeError(f"sol_options must be JSON text of Sol settings, got {sol_options!r}") from None
-  return {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
-
-
-def _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes, k_scheme,
-                v_scheme, rotation_seed_k, rotation_seed_v, attention, sol_options, segment_ids, kv_mask, kv_lengths,
-                *, real: bool) -> PackedKVMeta:
-  meta = _qkv_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes,
-                   k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, real=real)
-  try:
-    jlayer.check_attention(attention, sol_options, (segment_ids, kv_mask, kv_lengths))
+    jlayer.check_attention(attention, (segment_ids, kv_mask, kv_lengths))
   except ValueError as e:
     raise dlpack.BridgeError(str(e)) from None
   b, t = meta.batch, meta.num_tokens
@@ -435,41 +410,60 @@ def _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin
 def _attention_layer_op(
     x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: Optional[torch.Tensor],
     k_norm_weight: Optional[torch.Tensor], rope_cos: torch.Tensor, rope_sin: torch.Tensor, layout: str,
-    block_classes: Sequence[int], k_scheme: str, v_scheme: str, rotation_seed_k: int, rotation_seed_v: int,
-    attention: str, sm_scale: Optional[float], segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
-    kv_lengths: Optional[torch.Tensor], sol_options: str, scratch_bytes: int, interpret: Optional[bool],
+    storage: str, attention: str, segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
+    kv_lengths: Optional[torch.Tensor], interpret: Optional[bool],
 ) -> torch.Tensor:
-  lay, sol = _layout(layout), _sol_options(sol_options)
-  meta = _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes,
-                     k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, sol, segment_ids, kv_mask,
-                     kv_lengths, real=True)
+  lay, st, cfg = _layout(layout), _storage(storage), _attention(attention)
+  _layer_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, st, cfg,
+              segment_ids, kv_mask, kv_lengths, real=True)
   inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
   inputs |= {"segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths}
   _enter_jax(inputs, interpret)
   j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
-  o = jlayer.attention_layer(
-      j["x"], j["w_qkv"], j["bias"], layout=lay, q_norm_weight=j["q_norm_weight"], k_norm_weight=j["k_norm_weight"],
-      rope_cos=j["rope_cos"], rope_sin=j["rope_sin"], block_classes=meta.block_classes, k_scheme=k_scheme,
-      v_scheme=v_scheme, rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v,
-      attention=attention, sm_scale=sm_scale, q_segment_ids=j["segment_ids"], kv_segment_ids=j["segment_ids"],
-      kv_mask=j["kv_mask"], kv_lengths=j["kv_lengths"], sol_options=sol, scratch_bytes=int(scratch_bytes),
-      interpret=interpret)
+  o = jlayer.attention_layer(j["x"], _jax_weights(j), layout=lay, rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
+                             storage=st, attention=cfg, segment_ids=j["segment_ids"], kv_mask=j["kv_mask"],
+                             kv_lengths=j["kv_lengths"], interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
 @_attention_layer_op.register_fake
-def _attention_layer_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, block_classes,
-                          k_scheme, v_scheme, rotation_seed_k, rotation_seed_v, attention, sm_scale, segment_ids,
-                          kv_mask, kv_lengths, sol_options, scratch_bytes, interpret):
+def _attention_layer_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, storage,
+                          attention, segment_ids, kv_mask, kv_lengths, interpret):
   lay = _layout(layout)
-  _layer_meta(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, lay, block_classes, k_scheme,
-              v_scheme, rotation_seed_k, rotation_seed_v, attention, _sol_options(sol_options), segment_ids, kv_mask,
-              kv_lengths, real=False)
+  _layer_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, _storage(storage),
+              _attention(attention), segment_ids, kv_mask, kv_lengths, real=False)
   b, t, _ = x.shape
   return x.new_empty((b, t, lay.heads, lay.head_dim), dtype=torch.bfloat16)
 
 
-def required_bytes(tokens: int, heads: int, head_dim: int, hidden: int, **kw) -> dict:
-  """Device bytes an H3 attention block needs above what the caller holds, phase by
+def attention_layer(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, rope_cos: torch.Tensor,
+                    rope_sin: torch.Tensor, storage: KVStorage | None = None, attention: Dense | Sol | None = None,
+                    segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
+                    kv_lengths: torch.Tensor | None = None, interpret: bool | None = None) -> torch.Tensor:
+  """Torch front end of ``pallas_kernels.attention_layer`` (same arguments, torch
+  tensors; ``weights`` a ``QKVWeights`` of torch tensors): x (B, T, hidden) bf16 ->
+  (B, T, H, D) bf16 un-rotated attention output, the projection and attention in one
+  JAX call. The one way the torch module and the diffusers processors call the op.
+
+  ``layout`` / ``storage`` / ``attention`` may also be given as their ``to_json()``
+  text, which is what a module caches so that ``torch.compile`` sees constants.
+  """
+  return torch.ops.packed_kv.attention_layer(x, weights.w_qkv, weights.bias, weights.q_norm_weight,
+                                             weights.k_norm_weight, rope_cos, rope_sin, settings_json(layout),
+                                             settings_json(as_storage(storage) if not isinstance(storage, str)
+                                                           else storage),
+                                             settings_json(as_attention(attention) if not isinstance(attention, str)
+                                                           else attention),
+                                             segment_ids, kv_mask, kv_lengths, interpret)
+
+
+def settings_json(value) -> str:
+  """A ``QKVLayout``, ``KVStorage``, ``Dense`` or ``Sol`` as the JSON text the ops take
+  (text passes through)."""
+  return value if isinstance(value, str) else value.to_json()
+
+
+def required_bytes(tokens: int, layout: QKVLayout, hidden: int, **kw) -> dict:
+  """Device bytes an attention block needs above what the caller holds, phase by
   phase (``pallas_kernels.layer.required_bytes``: same arguments)."""
-  return jlayer.required_bytes(tokens, heads, head_dim, hidden, **kw)
+  return jlayer.required_bytes(tokens, layout, hidden, **kw)
