@@ -4,8 +4,10 @@ Why: the bridge promises no copies, but every call still pays validation, DLPack
 hand-offs (one per input and output tensor: 7 in / 17 out for the projection, 17-20
 in / 1 out for attention), torch's custom-op dispatch and a cross-stream event per
 hand-off. This measures that cost, in one process, against calling the very JAX
-function the bridge calls (``streamed_qkv.streamed_qkv``,
-``attention.packed_attention``) on JAX views of the same buffers.
+function the bridge calls (``qkv_projection.streamed_qkv``,
+``attention.packed_attention``) on JAX views of the same buffers, with the same
+settings (the bridge's ops take them as JSON text and parse them on every call, which
+is part of the overhead measured).
 
 Method: for each op and shape, warm both paths up, then alternate them for ``--iters``
 iterations and take medians of
@@ -37,10 +39,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import formats  # noqa: E402
+from formats import KVStorage  # noqa: E402
 from pallas_kernels import attention as jax_attn  # noqa: E402
 from pallas_kernels import backend  # noqa: E402
 from pallas_kernels import qkv_projection as jax_qkv  # noqa: E402
-from pallas_kernels.qkv_layout import QKVLayout  # noqa: E402
+from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense  # noqa: E402
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights  # noqa: E402
 from benchmarks.common import package_versions  # noqa: E402
 from pallas_kernels.rope import rope_3d_angles, rope_tables  # noqa: E402
 from torch_bridge import dlpack  # noqa: E402
@@ -104,30 +108,29 @@ def bench_shape(shape, device, interpret, warmup, iters) -> dict:
   pos = np.stack([np.arange(t), np.zeros(t), np.zeros(t)], 1)
   cos, sin = rope_tables(rope_3d_angles(pos, freqs_per_axis=rot // 6), d)
   cos, sin = torch.tensor(cos, device=device), torch.tensor(sin, device=device)
-  classes = [0] * (-(-t // formats.BLOCK))
+  storage = KVStorage(block_classes=[0] * (-(-t // formats.BLOCK)))  # every block int4, K channel, V token
 
-  scratch = jax_qkv.DEFAULT_SCRATCH_BYTES
+  scratch = DEFAULT_SCRATCH_BYTES
   layout = QKVLayout.h3(h, d, rot)
-  qkv_args = (x, w, None, qn, kn, cos, sin, layout.to_json(), classes, "channel", "token", 0, 1, "auto", scratch,
-              interpret)
-  jx, jw = dlpack.to_jax(x, "x"), dlpack.to_jax(w, "w")
-  jkw = dict(q_norm_weight=dlpack.to_jax(qn, "qn"), k_norm_weight=dlpack.to_jax(kn, "kn"),
-             rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), layout=layout,
-             block_classes=tuple(classes), interpret=interpret)
+  qkv_args = (x, w, None, qn, kn, cos, sin, layout.to_json(), storage.to_json(), "auto", scratch, interpret)
+  jx = dlpack.to_jax(x, "x")
+  jweights = QKVWeights(dlpack.to_jax(w, "w"), None, dlpack.to_jax(qn, "qn"), dlpack.to_jax(kn, "kn"))
+  jkw = dict(rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), layout=layout,
+             storage=storage, method="auto", scratch_bytes=scratch, interpret=interpret)
   out = {"shape": shape}
-  out["streamed_qkv"] = _compare(lambda: jax_qkv.streamed_qkv(jx, jw, None, **jkw),
+  out["streamed_qkv"] = _compare(lambda: jax_qkv.streamed_qkv(jx, jweights, **jkw),
                                  lambda: torch.ops.packed_kv.streamed_qkv(*qkv_args),
                                  device, warmup, iters)
 
   res = torch.ops.packed_kv.streamed_qkv(*qkv_args)
   q, packed = res[0], list(res[1:])
-  meta = formats.PackedKVMeta(b, h, d, t, tuple(classes))
+  meta = storage.meta(b, h, d, t)
   jq = dlpack.to_jax(q, "q")
   jpacked = formats.PackedKV(meta, {n: dlpack.to_jax(a, n) for n, a in zip(formats.ARRAY_NAMES, packed)})
-  attn_args = (q, packed, t, classes, "channel", "token", 0, 1, None, None, None, None, None, False, "auto",
-               scratch, interpret)
+  attention = Dense(method="auto", scratch_bytes=scratch)
+  attn_args = (q, packed, t, storage.to_json(), attention.to_json(), None, None, None, None, False, interpret)
   out["packed_attention"] = _compare(
-      lambda: jax_attn.packed_attention(jq, jpacked, interpret=interpret),
+      lambda: jax_attn.packed_attention(jq, jpacked, attention, interpret=interpret),
       lambda: torch.ops.packed_kv.packed_attention(*attn_args), device, warmup, iters)
 
   # The hand-offs alone (host time; no device work is queued by them).

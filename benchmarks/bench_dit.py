@@ -115,10 +115,10 @@ def spawn(cfg: dict, timeout: int) -> dict:
 
 
 def parity_run(out=None) -> dict:
-  """``torch_bridge.diffusers.parity`` for every supported model; the scorecard's
+  """``benchmarks.tiny_dits.parity`` for every supported model; the scorecard's
   ``dit.parity_models`` counts those within bf16 noise (``PARITY_COS``) at bf16 and int8."""
   import torch_bridge  # noqa: F401  (allocator policy)
-  from torch_bridge.diffusers import parity
+  from benchmarks.tiny_dits import parity
   models = {name: parity(name) for name in ("wan", "ltx")}
   passing = [n for n, r in models.items() if all(r[c]["model"]["cos"] > PARITY_COS for c in ("bf16", "int8"))]
   for name, r in models.items():

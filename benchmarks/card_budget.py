@@ -52,6 +52,14 @@ BLOCKS = ("dense", "sol", "reference")
 DRIFT_GOAL_GIB = 0.05  # free memory after a block vs before it (issue 36)
 
 
+def attention_config(block: str, scratch_mib: int):
+  """The packed blocks' attention settings: ``Dense`` or ``Sol`` (its defaults) with
+  ``--scratch-mib`` as the bound on the projection's and attention's scratch."""
+  from pallas_kernels import Dense, Sol
+  cls = {"dense": Dense, "sol": Sol}[block]
+  return cls(scratch_bytes=int(scratch_mib) << 20)
+
+
 # --------------------------------------------------------------------------------------
 # Child: one configuration in a fresh process
 # --------------------------------------------------------------------------------------
@@ -111,8 +119,8 @@ def child(cfg: dict) -> dict:
       if cfg["block"] == "reference":
         block = tb.ReferenceH3Attention(shape["hidden"], shape["heads"], shape["head_dim"], **kw)
       else:
-        block = tb.PackedH3Attention(shape["hidden"], shape["heads"], shape["head_dim"], attention=cfg["block"],
-                                     scratch_bytes=int(cfg["scratch_mib"]) << 20,
+        block = tb.PackedH3Attention(shape["hidden"], shape["heads"], shape["head_dim"],
+                                     attention=attention_config(cfg["block"], cfg["scratch_mib"]),
                                      interpret=True if not cuda else None, **kw)
       blocks.append(block.eval().requires_grad_(False))
     x = torch.randn(1, t, shape["hidden"], dtype=torch.bfloat16, device=dev)
@@ -309,7 +317,9 @@ def main(argv=None):
   card = next((r["card"] for r in records if r.get("card")), "unknown")
   max_tokens = {}
   if not args.no_search:
+    from pallas_kernels import QKVLayout
     from pallas_kernels.layer import required_bytes
+    layout = QKVLayout.h3(H3["heads"], H3["head_dim"], H3["rot_dim"])
     free_budget = (args.budget_gib - args.held_gib) * common.GIB
     search_base = dict(base, n_blocks=args.search_n_blocks, passes=2, gc="off")
     starts = {k: int(v) for k, v in (item.split("=") for item in filter(None, args.search_start.split(",")))}
@@ -323,8 +333,9 @@ def main(argv=None):
           peak = max(s["peak_above_free_before_gib"] for s in user["steps"][1:])
           overhead = max(0.0, peak - user["required_bytes_gib"]["peak"])
         start = STEP
-        while required_bytes(start + STEP, H3["heads"], H3["head_dim"], H3["hidden"], attention=block,
-                             scratch_bytes=args.scratch_mib << 20)["peak"] + overhead * common.GIB < free_budget:
+        attention = attention_config(block, args.scratch_mib)
+        while required_bytes(start + STEP, layout, H3["hidden"], attention=attention)["peak"] \
+            + overhead * common.GIB < free_budget:
           start += STEP
       max_tokens[block] = search_max_tokens(dict(search_base, block=block), starts.get(block, start), args.timeout,
                                             records, args.search_runs)

@@ -54,6 +54,7 @@ __all__ = [
     "PackedKV",
     "PackedKVMeta",
     "SUPPORTED_HEAD_DIMS",
+    "check_head_dim",
     "V_SCHEMES",
     "asymmetric_params",
     "block_stats_reference",
@@ -106,14 +107,21 @@ def sylvester(n: int) -> np.ndarray:
   return h
 
 
+def check_head_dim(head_dim) -> int:
+  """The one rule for head dims: the Hadamard rotation and the kernels' tiles take 64
+  and 128."""
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"head_dim={head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+  return int(head_dim)
+
+
 def hadamard_signs(head_dim: int, seed: int) -> np.ndarray:
   """Sylvester Hadamard matrix (entries +-1) with rows sign-flipped from ``seed``.
 
   ``hadamard_signs(d, s) / sqrt(d)`` is the rotation. Kernels multiply by the +-1
   matrix (exact in bf16) and scale by 1/sqrt(d) in f32.
   """
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"head_dim={head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+  check_head_dim(head_dim)
   h = sylvester(head_dim)
   signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), size=head_dim)
   return (signs[:, None] * h).astype(np.float32)
@@ -191,8 +199,7 @@ class PackedKVMeta:
       raise ValueError(f"packed K/V version {self.version} is not readable by version {FORMAT_VERSION}")
     if self.block != BLOCK:
       raise ValueError(f"block must be {BLOCK}, got {self.block}")
-    if self.head_dim not in SUPPORTED_HEAD_DIMS:
-      raise ValueError(f"head_dim={self.head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    check_head_dim(self.head_dim)
     if self.k_scheme not in K_SCHEMES:
       raise ValueError(f"k_scheme {self.k_scheme!r} unknown; use one of {K_SCHEMES}")
     if self.v_scheme not in V_SCHEMES:

@@ -21,6 +21,7 @@ V per token, rotation seeds 0 and 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Hashable
 
@@ -65,7 +66,10 @@ class KVStorage:
 
   def __post_init__(self):
     put = lambda name, value: object.__setattr__(self, name, value)
-    put("default", fmt.CLASSES[class_id(self.default)])
+    try:
+      put("default", fmt.CLASSES[class_id(self.default)])
+    except ValueError as e:
+      raise ValueError(f"default: {e}") from None
     ranges = []
     for r in self.token_ranges or ():
       if len(r) != 3:
@@ -73,10 +77,16 @@ class KVStorage:
       start, end, cls = r
       if not (isinstance(start, (int, np.integer)) and isinstance(end, (int, np.integer)) and 0 <= start < end):
         raise ValueError(f"token range ({start}, {end}) must be integers with 0 <= start < end")
-      ranges.append((int(start), int(end), fmt.CLASSES[class_id(cls)]))
+      try:
+        ranges.append((int(start), int(end), fmt.CLASSES[class_id(cls)]))
+      except ValueError as e:
+        raise ValueError(f"token_ranges: {e}") from None
     put("token_ranges", tuple(ranges))
     if self.block_classes is not None:
-      put("block_classes", tuple(class_id(c) for c in self.block_classes))
+      try:
+        put("block_classes", tuple(class_id(c) for c in self.block_classes))
+      except ValueError as e:
+        raise ValueError(f"block_classes: {e}") from None
       if not self.block_classes:
         raise ValueError("block_classes is empty; give one class per 64-token block or leave it None")
     sources = [name for name, on in (("token_ranges", bool(self.token_ranges)),
@@ -101,9 +111,19 @@ class KVStorage:
       if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"{name} must be a non-negative int, got {seed!r}")
       put(name, int(seed))
+    # The JSON text is made once here: torch.compile can read an attribute of a constant
+    # but cannot trace json.dumps, and the ops take the text on every call.
+    put("_json", self._make_json())
 
-  def __hash__(self):  # a PrecisionPolicy holds dicts: hash the canonical text instead
-    return hash(self.to_json())
+  def __hash__(self):
+    # A PrecisionPolicy holds dicts (and a report equality ignores): hash what equality
+    # compares, in a canonical order.
+    policy = None
+    if self.policy is not None:
+      policy = (self.policy.num_tokens, tuple(sorted((json.dumps(k if not isinstance(k, tuple) else list(k)),
+                                                      tuple(map(tuple, v))) for k, v in self.policy.ranges.items())))
+    return hash((self.default, self.token_ranges, self.block_classes, policy, self.policy_key, self.k_scheme,
+                 self.v_scheme, self.rotation_seed_k, self.rotation_seed_v))
 
   # ------------------------------------------------------------------------------------
   def classes_for(self, num_tokens: int) -> tuple[int, ...]:
@@ -127,12 +147,19 @@ class KVStorage:
   @classmethod
   def of(cls, meta: fmt.PackedKVMeta) -> "KVStorage":
     """The storage an existing packed K/V was written with."""
+    return _storage_of(meta)
+
+  @classmethod
+  def _of(cls, meta: fmt.PackedKVMeta) -> "KVStorage":
     return cls(block_classes=meta.block_classes, k_scheme=meta.k_scheme, v_scheme=meta.v_scheme,
                rotation_seed_k=meta.rotation_seed_k, rotation_seed_v=meta.rotation_seed_v)
 
   # ------------------------------------------------------------------------------------
   def to_json(self) -> str:
     """JSON text (how it crosses a torch custom op's schema); ``from_json`` inverts it."""
+    return self._json
+
+  def _make_json(self) -> str:
     d = {"default": self.default, "token_ranges": [list(r) for r in self.token_ranges],
          "block_classes": None if self.block_classes is None else list(self.block_classes),
          "policy": None if self.policy is None else self.policy.to_json(),
@@ -155,6 +182,11 @@ class KVStorage:
       d["policy_key"] = tuple(d["policy_key"])
     d["token_ranges"] = tuple(tuple(r) for r in d.get("token_ranges") or ())
     return cls(**d)
+
+
+@functools.lru_cache(maxsize=256)
+def _storage_of(meta: fmt.PackedKVMeta) -> KVStorage:
+  return KVStorage._of(meta)
 
 
 def as_storage(storage) -> KVStorage:

@@ -25,11 +25,11 @@ from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense, Sol
 from pallas_kernels.layer import attention_layer, required_bytes
 from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 from pallas_kernels.qkv_projection import ProjectionTuning, streamed_qkv, streamed_qkv_reference
-from pallas_kernels.sol import sol_attention, sol_attention_reference, sol_routing
+from pallas_kernels.sol import sol_attention, sol_attention_reference
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["DEFAULT_SCRATCH_BYTES", "Dense", "ProjectionTuning", "QKVLayout", "QKVWeights", "Sol", "attention_layer",
            "packed_attention", "packed_attention_lse", "packed_attention_reference", "required_bytes", "rope",
-           "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference", "sol_routing", "streamed_qkv",
+           "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference", "streamed_qkv",
            "streamed_qkv_reference"]

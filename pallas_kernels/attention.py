@@ -332,6 +332,8 @@ def _packed_attention(q, packed, attention, q_segment_ids, kv_segment_ids, kv_ma
                                                            kv_segment_ids, kv_mask, kv_lengths)
   if out is not None and (out.shape != q.shape or out.dtype != jnp.bfloat16):
     raise ValueError(f"out must be bfloat16{list(q.shape)}, got {out.dtype}{list(out.shape)}")
+  if overwrite_q and out is not None:
+    raise ValueError("overwrite_q and out both name the output buffer; pass one")
   interpret = resolve_interpret(interpret)
   if not interpret and not on_gpu():
     raise ValueError("interpret=False needs a CUDA GPU, and JAX has none here "

@@ -58,6 +58,8 @@ def _check_launch(name, value, allowed):
 def _sink_pair(value, name: str):
   if value is None:
     return None
+  if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+    raise ValueError(f"{name} must be a pair [start, end) of block indices or None, got {value!r}")
   value = tuple(value)
   if len(value) != 2:
     raise ValueError(f"{name} must have 2 elements [start, end), got {len(value)}")
@@ -72,12 +74,17 @@ def _sink_pair(value, name: str):
 
 
 class _Config:
-  """JSON round trip shared by both configs."""
+  """JSON round trip shared by both configs. The text is made once, after the checks
+  (``_freeze``): torch.compile reads an attribute of a constant but cannot trace
+  json.dumps, and the torch ops take the text on every call."""
   kind: str
 
   def to_json(self) -> str:
+    return self._json
+
+  def _freeze(self):
     d = {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
-    return json.dumps(d, sort_keys=True, separators=(",", ":"))
+    object.__setattr__(self, "_json", json.dumps(d, sort_keys=True, separators=(",", ":")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +115,7 @@ class Dense(_Config):
       raise ValueError(f"block_q must be a power of two >= 16, got {self.block_q!r}")
     _check_launch("num_warps", self.num_warps, (1, 2, 4, 8, 16))
     _check_launch("num_stages", self.num_stages, (1, 2, 3, 4, 5, 6, 7, 8))
+    self._freeze()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +169,8 @@ class Sol(_Config):
     put("topk_ratio", topk)
     put("sink_blocks", _sink_pair(self.sink_blocks, "sink_blocks"))
     put("sink_q", _sink_pair(self.sink_q, "sink_q"))
+    if not isinstance(self.tail, (bool, np.bool_, int, np.integer)) or self.tail not in (0, 1):
+      raise ValueError(f"tail must be True or False, got {self.tail!r}")
     put("tail", bool(self.tail))
     if self.max_exact is not None:
       if not isinstance(self.max_exact, (int, np.integer)) or self.max_exact < 3:
@@ -175,6 +185,7 @@ class Sol(_Config):
     _check_launch("num_stages", self.num_stages, (1, 2, 3, 4, 5, 6, 7, 8))
     if not isinstance(self.route_chunk_bytes, (int, np.integer)) or self.route_chunk_bytes <= 0:
       raise ValueError(f"route_chunk_bytes must be a positive int, got {self.route_chunk_bytes!r}")
+    self._freeze()
 
 
 ATTENTIONS = {"dense": Dense, "sol": Sol}
@@ -189,6 +200,10 @@ def attention_from_json(text: str):
   if not isinstance(d, dict) or d.get("kind") not in ATTENTIONS:
     raise ValueError(f"attention JSON must carry kind 'dense' or 'sol', got {text!r}")
   cls = ATTENTIONS[d.pop("kind")]
+  unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+  if unknown:
+    raise ValueError(f"{cls.__name__} has no setting {sorted(unknown)}; its settings are "
+                     f"{[f.name for f in dataclasses.fields(cls)]}")
   return cls(**d)
 
 

@@ -73,8 +73,8 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
 
   * ``projection``: Q + packed K/V + one chunk of the chunked projection;
   * ``attention``: Q + packed K/V + the streamed path's head-group scratch (dense, a
-    cuDNN GPU), or Sol's routing metadata, its routing chunk and (streamed methods)
-    one head group's decoded stores;
+    cuDNN GPU), or Sol's routing metadata and workspace and (streamed methods) one
+    head group's decoded stores;
   * ``o_proj``: the attention output (in Q's buffer) + ``o_proj``'s output
     (B, T, hidden) bf16, allocated by torch once the packed K/V is freed.
 
@@ -100,7 +100,8 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
     attn = 0 if plan is None else plan.scratch
   else:
     cap = sol.default_max_exact(meta.num_blocks, attention)
-    attn = sol.routing_nbytes(batch, heads, tokens, head_dim, cap)["total"] + attention.route_chunk_bytes
+    attn = (sol.routing_nbytes(batch, heads, tokens, head_dim, cap)["total"]
+            + sol.routing_workspace_bytes(batch, heads, tokens, head_dim, attention.route_chunk_bytes))
     method, group = sol.resolve_method(attention, batch, tokens, heads, head_dim)
     if group:
       attn += group * sol.streamed_head_bytes(batch, tokens, head_dim, sol.STREAMED_QK[method])

@@ -173,7 +173,7 @@ def _per_call(value, default, name):
 
 
 def _pow2(n, name):
-  if n < 16 or n & (n - 1):
+  if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 16 or n & (n - 1):
     raise ValueError(f"{name} must be a power of two >= 16, got {n}")
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from formats.packed_kv import SUPPORTED_HEAD_DIMS
+from formats.packed_kv import check_head_dim
 
 from pallas_kernels.rope import STYLES as ROPE_STYLES
 
@@ -50,8 +50,7 @@ class QKVLayout:
   def __post_init__(self):
     if not isinstance(self.heads, (int, np.integer)) or self.heads <= 0:
       raise ValueError(f"heads must be a positive int, got {self.heads!r}")
-    if self.head_dim not in SUPPORTED_HEAD_DIMS:
-      raise ValueError(f"head_dim={self.head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    check_head_dim(self.head_dim)
     if self.norm not in NORMS:
       raise ValueError(f"norm must be one of {NORMS} (per head, across heads, none), got {self.norm!r}")
     if self.rot_dim is None:

@@ -106,12 +106,13 @@ from pallas_kernels.backend import LOG2E, resolve_interpret
 from pallas_kernels.kv_dequant import dequantize_group
 from pallas_kernels.sol_fused import fused_sol
 from pallas_kernels.sol_reference import sol_attention_reference, sol_exact_blocks_reference
-from pallas_kernels.sol_routing import (BLOCK, SolPlan, SolRouting, _routing_impl, block_lengths, default_max_exact, make_plan,
-                                        normalize_key_bias, routing_nbytes, sol_routing, topk_count)
+from pallas_kernels.sol_routing import (BLOCK, SolPlan, SolRouting, _routing_impl, block_lengths, default_max_exact,
+                                        make_plan, normalize_key_bias, routing_nbytes, routing_workspace_bytes,
+                                        sol_routing, topk_count)
 
 __all__ = ["Sol", "SolRouting", "resolve_method", "routing_nbytes", "sol_attention", "sol_attention_reference",
            "sol_exact_blocks_reference", "sol_routing", "streamed_group", "streamed_head_bytes", "topk_count",
-           "default_max_exact",
+           "default_max_exact", "routing_workspace_bytes",
            "auto_order"]
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ Grid ``(query blocks, g, B)``: one program per 64-row query tile and head.
 * Exact loop: the sink range, then the routed list, the next list entry loaded while
   the current tile computes (the only dependent load). A ``sink_q`` block walks
   every key block. Live key rows come from T arithmetically (or a ``block_len``
-  table), masked only when some block can be ragged; V needs no mask because the
-  store's dead rows are finite (zeros past T, the caller's values under block_len)
-  and their P is 0.
+  table), masked only when some block can be ragged. V is loaded unmasked (rows past T
+  are zeros in the store) except under block_len, where the caller's dead rows may hold
+  anything, NaN included, and are read as zeros.
 * Pooled loop: 64 key blocks per step from the block stats, exactly as in the fused
   kernel but whole-D: logit ``s * c . (k_mean - kg)``, weight = live rows, value the
   block's V sum (two bf16 terms, so the sum keeps ~16 bits).
@@ -116,7 +116,14 @@ def _kernel(*refs, names, cfg: LoopConfig):
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + p.sum(axis=-1)
-    acc = acc * alpha[:, None] + _dot(p.astype(jnp.bfloat16), v_ref[rows, :])
+    if cfg.has_block_len:
+      # The caller's dead rows inside T are whatever the projection wrote there; their P
+      # is 0, but 0 * NaN is not, so they are read as zeros (rows past T are zeros).
+      v = plgpu.load(v_ref.at[rows, :], mask=jnp.broadcast_to((ar < live_rows(blk))[:, None], (BLOCK, cfg.head_dim)),
+                     other=0.0)
+    else:
+      v = v_ref[rows, :]
+    acc = acc * alpha[:, None] + _dot(p.astype(jnp.bfloat16), v)
     return m_new, l, acc
 
   d = cfg.head_dim

@@ -265,6 +265,19 @@ def routing_nbytes(batch: int, heads: int, num_tokens: int, head_dim: int, max_e
   return out
 
 
+def routing_workspace_bytes(batch: int, heads: int, num_tokens: int, head_dim: int, chunk_bytes: int) -> int:
+  """Temporaries routing holds while it runs, beyond its metadata (``routing_nbytes``):
+  three f32 (B, H, NB, D) arrays (the block means in f32, centred, and in the caller's
+  basis), the padded copy of the centroids, and about four chunk-sized arrays per chunk
+  of proxy scores (the scores, the capacity cut's keys, the running count, the slots).
+  At T = 152,263 and 56 heads that is 0.38 GiB, close to the 0.4 GiB by which the card
+  budget found ``required_bytes`` short for Sol before it was counted (issue 45). A
+  count from the code, not yet checked on the card."""
+  nb = -(-num_tokens // BLOCK)
+  per_block_stats = batch * heads * nb * head_dim * 4
+  return 4 * per_block_stats + 4 * int(chunk_bytes)
+
+
 def _route_chunk_blocks(plan: SolPlan, batch: int, heads: int, chunk_bytes: int) -> int:
   return int(max(1, min(plan.num_blocks, chunk_bytes // (batch * heads * plan.num_blocks * 4))))
 

@@ -19,9 +19,12 @@ import numpy as np
 import pytest
 
 import formats as fmt
+from formats.reference import attention_f32
 from pallas_kernels.testing import cosine, dit_qkv, rel_err
-from pallas_kernels.attention import (attention_f32, packed_attention, packed_attention_reference,
+from pallas_kernels.attention import (_packed_attention, packed_attention, packed_attention_lse,
+                                      packed_attention_lse_reference, packed_attention_reference,
                                       segment_ids_from_cu_seqlens)
+from pallas_kernels.attention_config import Dense
 from pallas_kernels.attention_fused import fused_attention, slot_ranges
 
 REL_TOL = 1e-2
@@ -116,7 +119,7 @@ CASES = [
 def test_kernel_matches_reference(seed, method, head_dim, k_scheme, v_scheme, ranges):
   q, packed, _ = _make(seed, head_dim=head_dim, k_scheme=k_scheme, v_scheme=v_scheme, token_ranges=ranges,
                        dit=head_dim == 128)
-  out = packed_attention(q, packed, interpret=True, block_q=64, method=method)
+  out = packed_attention(q, packed, Dense(block_q=64, method=method), interpret=True)
   assert out.dtype == jnp.bfloat16 and out.shape == q.shape
   _check(out, packed_attention_reference(q, packed), seed)
 
@@ -128,9 +131,9 @@ def test_ragged_q_differs_from_kv_and_key_lengths(seed, method):
   q, packed, _ = _make(seed, tq=77, tkv=250, token_ranges=((0, 40, "int8"),), k_scheme="token")
   ref = packed_attention_reference(q, packed)
   for block_q in (32, 128):
-    _check(packed_attention(q, packed, interpret=True, block_q=block_q, method=method), ref, seed)
+    _check(packed_attention(q, packed, Dense(block_q=block_q, method=method), interpret=True), ref, seed)
   lengths = jnp.asarray([190, 0], jnp.int32)
-  out = packed_attention(q, packed, interpret=True, kv_lengths=lengths, method=method)
+  out = packed_attention(q, packed, Dense(method=method), interpret=True, kv_lengths=lengths)
   _check(out[:1], packed_attention_reference(q, packed, kv_lengths=lengths)[:1], seed)
   assert (np.asarray(out[1], np.float32) == 0).all()
   keep = np.arange(250)[None, :] < np.asarray(lengths)[:, None]
@@ -140,8 +143,8 @@ def test_ragged_q_differs_from_kv_and_key_lengths(seed, method):
 def test_all_bf16_classes_match_plain_attention(seed):
   # bf16 storage: the only error is bf16 rounding of q/k/v/p/output.
   q, packed, (q32, k32, v32) = _make(seed, token_ranges=((0, 190, "bf16"),), tkv=190)
-  want = attention_f32(q32, k32, v32, sm_scale=128 ** -0.5)
-  _check(packed_attention(q, packed, interpret=True, block_q=64), want, seed, rel=6e-3, cos=0.99998)
+  want = attention_f32(q32, k32, v32, sm_scale=128 ** -0.5, chunk=None)
+  _check(packed_attention(q, packed, Dense(block_q=64), interpret=True), want, seed, rel=6e-3, cos=0.99998)
 
 
 def test_segments_mask_and_keep_rotated(seed):
@@ -154,7 +157,7 @@ def test_segments_mask_and_keep_rotated(seed):
   kv_mask = jnp.asarray(rng.uniform(size=(2, 200)) < 0.85)
   kw = dict(q_segment_ids=q_seg, kv_segment_ids=seg, kv_mask=kv_mask)
   for keep in (False, True):
-    out = packed_attention(q, packed, interpret=True, block_q=64, keep_rotated=keep, **kw)
+    out = packed_attention(q, packed, Dense(block_q=64), interpret=True, keep_rotated=keep, **kw)
     _check(out, packed_attention_reference(q, packed, keep_rotated=keep, **kw), seed)
   assert np.all(np.asarray(out[1, :20], np.float32) == 0.0), "rows without visible keys must be exactly 0"
 
@@ -169,7 +172,7 @@ def test_unsorted_segments_and_fully_masked_blocks(seed):
   kv_mask = jnp.asarray(rng.uniform(size=(2, 330)) < 0.9).at[:, 64:192].set(False)
   for kw in (dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg), dict(kv_mask=kv_mask),
              dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, kv_mask=kv_mask)):
-    _check(packed_attention(q, packed, interpret=True, block_q=64, **kw),
+    _check(packed_attention(q, packed, Dense(block_q=64), interpret=True, **kw),
            packed_attention_reference(q, packed, **kw), seed)
 
 
@@ -223,11 +226,13 @@ def test_nan_poisoned_output_is_fully_overwritten(seed, method):
   # (Interpret mode also starts unaliased outputs as NaN.)
   q, packed, _ = _make(seed, tq=150, tkv=130, head_dim=64, token_ranges=((0, 10, "int8"),))
   poison = jnp.full(q.shape, jnp.nan, jnp.bfloat16)
-  out = packed_attention(q, packed, interpret=True, block_q=64, _out=poison, method=method)
+  dense = Dense(block_q=64, method=method)
+  out = _packed_attention(q, packed, dense, None, None, None, None, keep_rotated=False, overwrite_q=False,
+                          interpret=True, out=poison)
   assert np.isfinite(np.asarray(out, np.float32)).all(), f"seed={seed}: unwritten output elements"
   np.testing.assert_array_equal(
       np.asarray(out, np.float32),
-      np.asarray(packed_attention(q, packed, interpret=True, block_q=64, method=method), np.float32))
+      np.asarray(packed_attention(q, packed, dense, interpret=True), np.float32))
 
 
 @pytest.mark.parametrize("method", ["fused", "streamed"])
@@ -235,7 +240,7 @@ def test_overwrite_q_writes_the_output_into_q(seed, method):
   # The output takes q's buffer (donated at top level, reused inside a jit): same values
   # as the out-of-place call, and q is gone afterwards.
   q, packed, _ = _make(seed, tq=150, tkv=130, head_dim=64, token_ranges=((0, 10, "int8"),))
-  run = functools.partial(packed_attention, interpret=True, block_q=64, method=method)
+  run = functools.partial(packed_attention, attention=Dense(block_q=64, method=method), interpret=True)
   expected = np.asarray(run(q, packed), np.float32)
   q_copy = jnp.array(q, copy=True)
   out = run(q_copy, packed, overwrite_q=True)
@@ -245,7 +250,8 @@ def test_overwrite_q_writes_the_output_into_q(seed, method):
   # Interpret mode copies buffers anyway, so the saving itself shows only on the GPU.
   np.testing.assert_array_equal(
       np.asarray(jax.jit(lambda a, p: run(a * 1.0, p, overwrite_q=True))(q, packed), np.float32), expected)
-  with pytest.raises(ValueError, match="overwrite_q and _out"):
+  # The output buffer has one public name: overwrite_q (the test-only out= is private).
+  with pytest.raises(TypeError, match="_out"):
     run(q, packed, overwrite_q=True, _out=q)
 
 
@@ -296,7 +302,7 @@ def test_clear_errors_on_bad_input():
   with pytest.raises(ValueError, match="kv_mask"):
     run(q, packed, kv_mask=jnp.ones((1, 64), jnp.int32))
   with pytest.raises(ValueError, match="block_q"):
-    run(q, packed, block_q=48)
+    Dense(block_q=48)
   bad = fmt.PackedKV(packed.meta, packed.arrays | {"k_codes4": packed.k_codes4.astype(jnp.int8)})
   with pytest.raises(ValueError, match="k_codes4"):
     run(q, bad)
@@ -305,13 +311,13 @@ def test_clear_errors_on_bad_input():
   with pytest.raises(ValueError, match="kv_lengths"):
     run(q, packed, kv_lengths=jnp.ones((2,), jnp.int32))
   with pytest.raises(ValueError, match="method"):
-    run(q, packed, method="cudnn")
+    Dense(method="cudnn")
   with pytest.raises(ValueError, match="scratch_bytes"):
-    run(q, packed, scratch_bytes=-1)
+    Dense(scratch_bytes=-1)
   with pytest.raises(NotImplementedError, match="fused kernel"):
-    run(q, packed, method="streamed", kv_mask=jnp.ones((1, 64), bool))
+    run(q, packed, Dense(method="streamed"), kv_mask=jnp.ones((1, 64), bool))
   with pytest.raises(NotImplementedError, match="one head's bf16 K and V"):
-    run(q, packed, method="streamed", scratch_bytes=1000)
+    run(q, packed, Dense(method="streamed", scratch_bytes=1000))
   with pytest.raises(ValueError, match="has no tokens"):
     run(q[:, :0], packed)
   if jax.default_backend() != "gpu":
@@ -357,7 +363,7 @@ def test_compiled_program_holds_no_full_kv():
     size, where = _largest_buffer(compiled.as_text())
     return size, where, compiled.memory_analysis().temp_size_in_bytes
 
-  size, where, temp = inspect(lambda q, p: packed_attention(q, p, interpret=True, block_q=64, method="fused"))
+  size, where, temp = inspect(lambda q, p: packed_attention(q, p, Dense(block_q=64, method="fused"), interpret=True))
   assert size < limit, f"kernel program holds {where} ({size} bytes >= {limit})"
   assert temp < temp_limit, f"kernel program temp memory {temp} bytes >= {temp_limit}"
   size, where, temp = inspect(_expand_to_bf16_attention)
@@ -378,7 +384,7 @@ def test_gpu_long_sequence_matches_reference(seed, method, tq):
   t = 131072 + 37
   q, packed, _ = _make(seed, batch=1, tq=tq, tkv=t, heads=2, token_ranges=((0, 1024, "int8"),))
   ref = packed_attention_reference(q, packed)
-  _check(packed_attention(q, packed, interpret=False, method=method), ref, seed)
+  _check(packed_attention(q, packed, Dense(method=method), interpret=False), ref, seed)
 
 
 @pytest.mark.gpu
@@ -389,9 +395,10 @@ def test_gpu_kernel_matches_reference(seed, head_dim, k_scheme, v_scheme):
                        v_scheme=v_scheme, token_ranges=((0, 100, "int8"), (300, 340, "bf16")), dit=True)
   ref = packed_attention_reference(q, packed)
   for block_q in (64, 128):
-    _check(packed_attention(q, packed, interpret=False, block_q=block_q), ref, seed)
+    _check(packed_attention(q, packed, Dense(block_q=block_q), interpret=False), ref, seed)
   poison = jnp.full(q.shape, jnp.nan, jnp.bfloat16)
-  _check(packed_attention(q, packed, interpret=False, _out=poison), ref, seed)
+  _check(_packed_attention(q, packed, None, None, None, None, None, keep_rotated=False, overwrite_q=False,
+                           interpret=False, out=poison), ref, seed)
   _check(packed_attention(jnp.array(q, copy=True), packed, interpret=False, overwrite_q=True), ref, seed)
   seg = segment_ids_from_cu_seqlens(np.array([0, 333, 900]), t)
   kv_mask = jnp.asarray(np.random.default_rng(seed).uniform(size=(2, t)) < 0.9)
@@ -407,23 +414,23 @@ def test_return_lse_matches_the_reference(seed):
   -inf and output 0. The streamed method refuses it."""
   q, packed, _ = _make(seed, tq=100, tkv=150, heads=2, head_dim=64, token_ranges=((0, 64, "int8"),))
   mask = jnp.asarray(np.stack([np.arange(150) % 5 != 0, np.zeros(150, bool)]))
-  out, lse = packed_attention(q, packed, kv_mask=mask, return_lse=True, block_q=32)
-  ref, ref_lse = packed_attention_reference(q, packed, kv_mask=mask, return_lse=True)
+  out, lse = packed_attention_lse(q, packed, Dense(block_q=32), kv_mask=mask)
+  ref, ref_lse = packed_attention_lse_reference(q, packed, kv_mask=mask)
   assert lse.shape == (2, 2, 100) and lse.dtype == jnp.float32
   lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
   assert np.isneginf(lse[1]).all() and np.isneginf(ref_lse[1]).all()
   assert np.abs(lse[0] - ref_lse[0]).max() < 0.02, f"seed={seed}"
   _check(out, ref, seed)
   assert not np.asarray(out, np.float32)[1].any()
-  with pytest.raises(ValueError, match="return_lse needs method='fused'"):
-    packed_attention(q, packed, return_lse=True, method="streamed")
+  with pytest.raises(ValueError, match=r"packed_attention_lse needs Dense\(method='fused'\)"):
+    packed_attention_lse(q, packed, Dense(method="streamed"))
 
 
 @pytest.mark.gpu
 def test_return_lse_on_gpu(seed):
   """The Triton kernel with its log-sum-exp output (Triton limits apply here only)."""
   q, packed, _ = _make(seed, tq=300, tkv=333, token_ranges=((0, 64, "int8"), (320, 333, "bf16")))
-  out, lse = packed_attention(q, packed, return_lse=True, interpret=False)
-  ref, ref_lse = packed_attention_reference(q, packed, return_lse=True)
+  out, lse = packed_attention_lse(q, packed, interpret=False)
+  ref, ref_lse = packed_attention_lse_reference(q, packed)
   assert np.abs(np.asarray(lse) - np.asarray(ref_lse)).max() < 0.02, f"seed={seed}"
   _check(out, ref, seed)

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from formats import packed_kv as fmt
-from formats.calibration import PrecisionPolicy, attention_cos, attention_f32, calibrate, storage_roundtrip
+from formats import KVStorage
+from formats.calibration import PrecisionPolicy, attention_cos, calibrate, storage_roundtrip
+from formats.reference import attention_f32
 
 T, H, D = 512, 2, 64
 
@@ -62,6 +64,8 @@ def test_policy_is_data(samples):
   pol = calibrate(samples, max_bits=5.25)
   again = PrecisionPolicy.from_json(pol.to_json())
   assert again == pol and again.block_classes(1) == pol.block_classes(1)
+  # What the kernels take: a KVStorage reading the policy's key.
+  assert KVStorage(policy=again, policy_key=1).classes_for(T) == pol.block_classes(1)
   keyed = PrecisionPolicy(T, {(3, 0.5): ((0, 64),)})
   assert PrecisionPolicy.from_json(keyed.to_json()).block_classes((3, 0.5))[0] == fmt.CLASS_ID["int8"]
   with pytest.raises(ValueError, match="calibrated for T = 512, not T = 640.*calibrate again"):

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import torch_bridge as tb  # first: the allocator policy
+from formats import KVStorage
 from pallas_kernels.testing import quality
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is a test dependency (scripts/setup.sh installs it)")
-from torch_bridge.diffusers import PackedWanAttnProcessor, parity, tiny_transformer, use_packed_attention  # noqa: E402
+from benchmarks.tiny_dits import parity, tiny_transformer  # noqa: E402
+from torch_bridge.diffusers import PackedWanAttnProcessor, use_packed_attention  # noqa: E402
 
 # cos against the stock processor per K/V class (T = 128 video tokens): of the whole
 # model's output, and of the first self-attention's own output, where nothing dilutes
@@ -70,8 +72,13 @@ def test_errors_name_the_fix():
       model(**inputs)
   with pytest.raises(ValueError, match="supports WanTransformer3DModel and LTXVideoTransformer3DModel"):
     use_packed_attention(torch.nn.Linear(4, 4))
-  with pytest.raises(ValueError, match="attention must be one of"):
+  # Settings are values, checked before anything is installed: a name is not a config.
+  with pytest.raises(ValueError, match=r"attention must be Dense\(\.\.\.\) or Sol\(\.\.\.\)"):
     use_packed_attention(model, attention="flash")
+  with pytest.raises(ValueError, match=r"storage must be a formats.KVStorage"):
+    use_packed_attention(model, storage="int8")
+  with pytest.raises(ValueError, match=r"use_packed_attention expects a diffusers transformer"):
+    use_packed_attention(object())
 
 
 def test_wan_block_benchmark_smoke(tmp_path):
@@ -104,6 +111,6 @@ def test_gpu_wan14b_width_block_matches_stock():
   with torch.no_grad():
     want = attn(x, None, None, rotary).float().cpu().numpy()
     for cls, min_cos in (("int8", 0.9999), ("int4", 0.999)):
-      use_packed_attention(attn, default_class=cls)
+      use_packed_attention(attn, storage=KVStorage(default=cls))
       got = attn(x, None, None, rotary).float().cpu().numpy()
       assert quality(got, want)["cos"] > min_cos, (cls, quality(got, want))

@@ -16,8 +16,9 @@ from pallas_kernels.testing import dit_qkv, quality
 from formats import packed_kv as fmt
 from pallas_kernels import attention as dense
 from pallas_kernels import sol as sol
-from pallas_kernels import sol_decoded, sol_routing
+from pallas_kernels import sol_decoded
 from pallas_kernels.attention_config import DEFAULT_MAX_EXACT_TAU, Sol
+from pallas_kernels.sol_routing import make_plan
 from pallas_kernels.kv_dequant import dequantize_group_int8_k_reference, dequantize_group_reference
 
 H = 2
@@ -56,12 +57,14 @@ def _key_bias(t, seed=0):
 
 # Keywords of the calls themselves; everything else in a settings dict is a Sol setting.
 CALL_KEYS = ("key_bias", "block_len", "routing", "keep_rotated", "overwrite_q", "interpret")
+# The kernel these tests check unless they name a method (Sol's own default is "auto").
+FUSED = Sol(method="fused")
 
 
 def _split(kw, **extra):
   """A dict of Sol settings mixed with call keywords (key_bias, block_len...) ->
-  (``Sol(**settings)``, the call's keywords)."""
-  kw = {**kw, **extra}
+  (``Sol(**settings)``, the call's keywords). The method is ``"fused"`` unless given."""
+  kw = {"method": "fused", **kw, **extra}
   call = {k: kw.pop(k) for k in CALL_KEYS if k in kw}
   return Sol(**kw), call
 
@@ -173,7 +176,7 @@ def test_streamed_methods_match_fused_and_reference(name, method):
 def _group_stores(q, packed, kw, qk, head0=0, heads=H):
   """The kernel-over-stores inputs of one head group, built with the decoder's references."""
   cfg, call = _split(kw)
-  plan = sol_routing.make_plan(q, packed, cfg)
+  plan = make_plan(q, packed, cfg)
   routing = sol.sol_routing(q, packed, cfg, block_len=call.get("block_len"))
   d = q.shape[-1]
   pad = plan.num_blocks * fmt.BLOCK - plan.num_tokens
@@ -403,8 +406,8 @@ def test_key_bias_forms_agree():
 
 def test_keep_rotated_is_the_rotated_output():
   q, packed, _, _ = _data(300, 64)
-  rot = np.asarray(sol.sol_attention(q, packed, keep_rotated=True), np.float32)
-  out = np.asarray(sol.sol_attention(q, packed), np.float32)
+  rot = np.asarray(sol.sol_attention(q, packed, FUSED, keep_rotated=True), np.float32)
+  out = np.asarray(sol.sol_attention(q, packed, FUSED), np.float32)
   rv = fmt.hadamard_rotation(64, packed.meta.rotation_seed_v)
   assert quality(rot @ rv.T, out)["cos"] >= 0.9999
 
@@ -429,11 +432,12 @@ def _poison_rows(packed, rows_by_block):
   return fmt.PackedKV(meta, arrays)
 
 
-def test_nan_poisoning_of_padding_dead_rows_and_unused_list_entries():
+@pytest.mark.parametrize("method", ["fused", "streamed", "streamed_int8"])
+def test_nan_poisoning_of_padding_dead_rows_and_unused_list_entries(method):
   t = 700
   q, packed, block_len, live = _data(t, 128, MIXED, "token", "token", block_len_seed=5)
   nb = packed.meta.num_blocks
-  kw = dict(block_len=block_len, tau=0.5)
+  kw = dict(block_len=block_len, tau=0.5, method=method)
   clean = np.asarray(_attend(q, packed, kw), np.float32)[:, live]
   # Dead rows of every block and the padding rows past T.
   dead = {b: [r for r in range(fmt.BLOCK) if b * fmt.BLOCK + r >= t or not live[b * fmt.BLOCK + r]]
@@ -450,7 +454,7 @@ def test_nan_poisoning_of_padding_dead_rows_and_unused_list_entries():
 
 def test_fully_masked_rows_output_zero():
   q, packed, _, _ = _data(300, 64)
-  out = sol.sol_attention(q, packed, Sol(tail=False), key_bias=jnp.full((300,), -jnp.inf))
+  out = sol.sol_attention(q, packed, Sol(tail=False, method="fused"), key_bias=jnp.full((300,), -jnp.inf))
   ref = sol.sol_attention_reference(q, packed, Sol(tail=False), key_bias=jnp.full((300,), -jnp.inf))
   assert not np.asarray(out, np.float32).any() and not np.asarray(ref).any()
 
@@ -513,4 +517,5 @@ def test_gpu_kernel_matches_reference():
     _check(_attend(q, packed, kw), _reference(q, packed, kw))
     for method in STREAMED:
       _check(_attend(q, packed, kw, method=method), _reference(q, packed, kw))
-  _check(sol.sol_attention(jnp.array(q, copy=True), packed, overwrite_q=True), sol.sol_attention_reference(q, packed))
+  _check(sol.sol_attention(jnp.array(q, copy=True), packed, FUSED, overwrite_q=True),
+         sol.sol_attention_reference(q, packed))

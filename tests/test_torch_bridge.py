@@ -20,10 +20,13 @@ import torch
 
 import torch_bridge as tb  # first: sets the allocator policy before JAX starts a GPU
 import formats
+from formats import KVStorage
 from pallas_kernels.testing import dit_grid, quality
 from pallas_kernels import attention as jattn
+from pallas_kernels import layer as jlayer
 from pallas_kernels import qkv_projection as jqkv
-from pallas_kernels.qkv_layout import QKVLayout
+from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense, Sol, attention_from_json
+from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
 from pallas_kernels.rope import rope_3d_angles, rope_tables
 from torch_bridge import allocator, dlpack, ops
 
@@ -39,6 +42,11 @@ def _rope(t, d, rot, device="cpu"):
   # torch.tensor (not from_numpy): numpy memory is often only 16-byte aligned, which
   # JAX's CPU client would copy, so the bridge rejects it.
   return torch.tensor(cos, device=device), torch.tensor(sin, device=device)
+
+
+def _share_memory(t, a):
+  """Whether a torch tensor and a JAX array start at the same device address."""
+  return t.data_ptr() == a.unsafe_buffer_pointer()
 
 
 def _modules(hidden, heads, head_dim, device="cpu", seed=0):
@@ -57,22 +65,31 @@ def setup():
   ref, mod = _modules(HIDDEN, H, D)
   cos, sin = _rope(T, D, ROT)
   x = torch.randn(B, T, HIDDEN, dtype=torch.bfloat16)
-  kw = dict(q_norm_weight=mod.q_norm.weight, k_norm_weight=mod.k_norm.weight, rope_cos=cos,
-            rope_sin=sin, layout=QKVLayout.h3(H, D, ROT))
-  return dict(ref=ref, mod=mod, x=x, w=mod.qkv_proj.weight_t, cos=cos, sin=sin, kw=kw)
+  w = mod.qkv_proj.weight_t
+  weights = QKVWeights(w, None, mod.q_norm.weight, mod.k_norm.weight)
+  kw = dict(rope_cos=cos, rope_sin=sin, layout=QKVLayout.h3(H, D, ROT))
+  return dict(ref=ref, mod=mod, x=x, w=w, weights=weights, cos=cos, sin=sin, kw=kw)
 
 
 def _jax_kwargs(kw):
   return {k: (dlpack.to_jax(v, k) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
 
 
+def _jax_weights(weights):
+  """A QKVWeights of torch tensors -> the same weights as JAX views (zero copy)."""
+  return QKVWeights(*(None if t is None else dlpack.to_jax(t, name)
+                      for name, t in zip(("w_qkv", "bias", "q_norm_weight", "k_norm_weight"),
+                                         (weights.w_qkv, weights.bias, weights.q_norm_weight,
+                                          weights.k_norm_weight))))
+
+
 @pytest.fixture(scope="module")
 def mixed(setup):
   """Projection and attention through the bridge and through JAX, classes MIXED."""
   s = setup
-  q, packed = tb.streamed_qkv(s["x"], s["w"], block_classes=MIXED, **s["kw"])
-  jq, jpacked = jqkv.streamed_qkv(dlpack.to_jax(s["x"], "x"), dlpack.to_jax(s["w"], "w"),
-                                  block_classes=MIXED, **_jax_kwargs(s["kw"]))
+  q, packed = tb.streamed_qkv(s["x"], s["weights"], storage=KVStorage(block_classes=MIXED), **s["kw"])
+  jq, jpacked = jqkv.streamed_qkv(dlpack.to_jax(s["x"], "x"), _jax_weights(s["weights"]),
+                                  storage=KVStorage(block_classes=MIXED), **_jax_kwargs(s["kw"]))
   o = tb.packed_attention(q, packed)
   jo = jattn.packed_attention(jq, jpacked)
   return dict(q=q, packed=packed, jq=jq, jpacked=jpacked, o=o, jo=jo)
@@ -90,8 +107,8 @@ def test_streamed_qkv_bridge_equals_jax_kernel(setup, mixed):
   # ... and the kernel agrees with the float32 reference (codes may differ by one step
   # at rounding boundaries, so compare dequantized values).
   s = setup
-  rq, rpacked = jqkv.streamed_qkv_reference(dlpack.to_jax(s["x"], "x"), dlpack.to_jax(s["w"], "w"),
-                                            block_classes=MIXED, **_jax_kwargs(s["kw"]))
+  rq, rpacked = jqkv.streamed_qkv_reference(dlpack.to_jax(s["x"], "x"), _jax_weights(s["weights"]),
+                                            storage=KVStorage(block_classes=MIXED), **_jax_kwargs(s["kw"]))
   assert quality(mixed["q"].float().numpy(), np.asarray(rq, np.float32))["rel_l2"] < 1e-2
   k, v = formats.dequantize_reference(mixed["packed"].to_jax())
   rk, rv = formats.dequantize_reference(rpacked)
@@ -110,7 +127,7 @@ def test_module_matches_plain_torch_bf16_blocks(setup):
   s = setup
   seg = tb.segment_ids_from_cu_seqlens(torch.tensor([0, 70, T], dtype=torch.int32), T)
   want = s["ref"](s["x"], s["cos"], s["sin"], segment_ids=seg)
-  got = s["mod"](s["x"], s["cos"], s["sin"], segment_ids=seg, block_classes=ALL_BF16)
+  got = s["mod"](s["x"], s["cos"], s["sin"], segment_ids=seg, storage=KVStorage(block_classes=ALL_BF16))
   qual = quality(got.float().numpy(), want.float().numpy())
   assert qual["cos"] > 0.9995 and qual["rel_l2"] < 0.02, qual
 
@@ -128,6 +145,16 @@ def test_module_int4_default_and_compile_fullgraph(setup):
   assert torch.equal(compiled(s["x"], s["cos"], s["sin"], kv_mask=kv_mask), got)
 
 
+def test_compiled_forward_takes_a_storage_override(setup):
+  """torch.compile(fullgraph) of a forward given storage=... (test_gpu_zero_copy_and_parity
+  does this on CUDA) equals the eager call."""
+  s = setup
+  storage = KVStorage(block_classes=MIXED)
+  got = s["mod"](s["x"], s["cos"], s["sin"], storage=storage)
+  compiled = torch.compile(s["mod"], fullgraph=True, backend="aot_eager")
+  assert torch.equal(compiled(s["x"], s["cos"], s["sin"], storage=storage), got)
+
+
 def test_module_is_one_layer_call_equal_to_the_ops(setup, mixed):
   """The module's one op (projection + attention in one JAX call, output over Q) gives
   what the separate ops give, for dense and Sol; and its schema, fake and AOT paths."""
@@ -135,60 +162,161 @@ def test_module_is_one_layer_call_equal_to_the_ops(setup, mixed):
   mod = s["mod"]
   o_ops = mixed["o"].reshape(B, T, H * D)
   want = mod.o_proj(o_ops)
-  got = mod(s["x"], s["cos"], s["sin"], block_classes=MIXED)
+  got = mod(s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=MIXED))
   assert torch.equal(got, want)
   args = (s["x"], mod.qkv_proj.weight_t, None, mod.q_norm.weight, mod.k_norm.weight, s["cos"], s["sin"],
-          QKVLayout.h3(H, D, ROT).to_json(), list(MIXED), "channel", "token", 0, 1, "dense", None, None, None, None,
-          "", jqkv.DEFAULT_SCRATCH_BYTES, None)
+          QKVLayout.h3(H, D, ROT).to_json(), KVStorage(block_classes=MIXED).to_json(), Dense().to_json(),
+          None, None, None, None)
   torch.library.opcheck(torch.ops.packed_kv.attention_layer, args,
                         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-  sol_mod = tb.PackedH3Attention(HIDDEN, H, D, attention="sol", sol_options=dict(tau=0.5, sink_blocks=(0, 1)))
+  sol_mod = tb.PackedH3Attention(HIDDEN, H, D, attention=Sol(tau=0.5, sink_blocks=(0, 1)))
   sol_mod.load_state_dict(mod.state_dict())
-  so = tb.sol_attention(mixed["q"], mixed["packed"], tau=0.5, sink_blocks=(0, 1))
-  assert torch.equal(sol_mod(s["x"], s["cos"], s["sin"], block_classes=MIXED),
+  so = tb.sol_attention(mixed["q"], mixed["packed"], Sol(tau=0.5, sink_blocks=(0, 1)))
+  assert torch.equal(sol_mod(s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=MIXED)),
                      sol_mod.o_proj(so.reshape(B, T, H * D)))
   with pytest.raises(tb.BridgeError, match="Sol attention takes no segment ids"):
     sol_mod(s["x"], s["cos"], s["sin"], kv_lengths=torch.tensor([T], dtype=torch.int32))
 
 
 def test_module_sol_streamed_method(setup):
-  """Sol's streamed method through the block's sol_options: the same output as the
+  """Sol's streamed method through the block's Sol config: the same output as the
   fused kernel up to bf16 rounding of the decoded K/V, and required_bytes counts its
   head-group scratch."""
   s = setup
   blocks = {}
   for method in ("fused", "streamed"):
-    blocks[method] = tb.PackedH3Attention(HIDDEN, H, D, attention="sol", sol_options=dict(tau=0.5, method=method))
+    blocks[method] = tb.PackedH3Attention(HIDDEN, H, D, attention=Sol(tau=0.5, method=method))
     blocks[method].load_state_dict(s["mod"].state_dict())
   with torch.no_grad():
-    outs = {m: b(s["x"], s["cos"], s["sin"], block_classes=MIXED).float().numpy() for m, b in blocks.items()}
+    outs = {m: b(s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=MIXED)).float().numpy()
+            for m, b in blocks.items()}
   assert quality(outs["streamed"], outs["fused"])["cos"] > 0.9999
   need = {m: b.required_bytes(T)["attention_scratch"] for m, b in blocks.items()}
   assert need["streamed"] > need["fused"]
+
+
+def test_module_x_without_batch_or_of_the_wrong_width_names_x(setup):
+  """x must be (B, T, hidden): a missing batch dim or another width fails before any
+  kernel, with an error that names x and the fix."""
+  s = setup
+  with pytest.raises(tb.BridgeError, match=r"x must be \(B, T, hidden=128\), got \[150, 128\].*x\[None\]"):
+    s["mod"](s["x"][0], s["cos"], s["sin"])
+  with pytest.raises(tb.BridgeError, match=r"x must be \(B, T, hidden=128\), got \[1, 150, 64\]"):
+    s["mod"](s["x"][..., :64].contiguous(), s["cos"], s["sin"])
+
+
+def test_forward_storage_overrides_the_modules_for_one_call(setup):
+  """forward(storage=...) replaces the module's storage (int4 by default) for that call
+  only: int8 K/V gives another output, closer to the plain BF16 block's."""
+  s = setup
+  want = s["ref"](s["x"], s["cos"], s["sin"]).float().numpy()
+  int4 = s["mod"](s["x"], s["cos"], s["sin"])
+  int8 = s["mod"](s["x"], s["cos"], s["sin"], storage=KVStorage(default="int8"))
+  assert not torch.equal(int4, int8)
+  q4, q8 = quality(int4.float().numpy(), want), quality(int8.float().numpy(), want)
+  assert q8["rel_l2"] < q4["rel_l2"] and q8["cos"] > q4["cos"], (q4, q8)
+  assert torch.equal(s["mod"](s["x"], s["cos"], s["sin"]), int4)  # the module's own storage is unchanged
+  with pytest.raises(ValueError, match=r"storage must be a formats.KVStorage"):
+    s["mod"](s["x"], s["cos"], s["sin"], storage="int8")
+
+
+def test_layer_op_settings_cross_as_json(setup):
+  """The layer op takes each setting as its to_json() text: a Sol with sinks and mixed
+  storage through the op (and the module that caches that text) equals the JAX layer
+  called with the same values."""
+  s = setup
+  layout, storage, sol = QKVLayout.h3(H, D, ROT), KVStorage(block_classes=MIXED), Sol(tau=0.5, sink_blocks=(0, 1))
+  assert QKVLayout.from_json(layout.to_json()) == layout
+  assert KVStorage.from_json(storage.to_json()) == storage
+  assert attention_from_json(sol.to_json()) == sol and attention_from_json(Dense().to_json()) == Dense()
+  w = s["weights"]
+  o = torch.ops.packed_kv.attention_layer(s["x"], w.w_qkv, w.bias, w.q_norm_weight, w.k_norm_weight, s["cos"],
+                                          s["sin"], layout.to_json(), storage.to_json(), sol.to_json(), None, None,
+                                          None, None)
+  jo = jlayer.attention_layer(dlpack.to_jax(s["x"], "x"), _jax_weights(w), storage=storage, attention=sol,
+                              **_jax_kwargs(s["kw"]))
+  assert torch.equal(o, torch.from_dlpack(jo))
+  mod = tb.PackedH3Attention(HIDDEN, H, D, rot_dim=ROT, storage=storage, attention=sol).requires_grad_(False)
+  mod.load_state_dict(s["mod"].state_dict())
+  assert mod._json == (layout.to_json(), storage.to_json(), sol.to_json())
+  assert torch.equal(mod(s["x"], s["cos"], s["sin"]), mod.o_proj(o.reshape(B, T, H * D)))
+
+
+# Wan's attention layout: RMSNorm over all H*D channels of a token, RoPE on adjacent pairs.
+WAN_LIKE = QKVLayout(H, D, norm="across", rope="pairs", eps=1e-6)
+
+
+def _across_pairs_f32(x, mod, cos, sin):
+  """The block of a WAN_LIKE layout in plain float32 torch: x @ W + b, RMSNorm across
+  the heads of each token, pairs RoPE, SDPA, o_proj."""
+  layout = mod.layout
+  b, t, _ = x.shape
+  h, d = layout.heads, layout.head_dim
+  qkv = x.float() @ mod.qkv_proj.weight_t.float() + mod.qkv_proj.bias.float()
+  q, k, v = qkv.view(b, t, 3, h * d).unbind(2)
+
+  def norm(y, weight):
+    return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + layout.eps) * weight.float()
+
+  def rope(y):
+    y = y.reshape(b, t, h, d)
+    partner = torch.stack([-y[..., 1::2], y[..., 0::2]], -1).flatten(-2)  # (x0, x1) -> (-x1, x0)
+    return y * cos[:, None] + partner * sin[:, None]
+
+  q, k, v = rope(norm(q, mod.q_norm.weight)), rope(norm(k, mod.k_norm.weight)), v.reshape(b, t, h, d)
+  o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+  o = o.transpose(1, 2).reshape(b, t, h * d)
+  return o @ mod.o_proj.weight.float().t() + mod.o_proj.bias.float()
+
+
+def test_packed_attention_any_layout_matches_float32_torch_and_the_jax_layer(setup):
+  """PackedAttention with a non-H3 layout (norm across heads, pairs RoPE, q/k/v and
+  o biases), bf16 blocks: within bf16 rounding of the plain float32 computation, and
+  equal to pallas_kernels.attention_layer on the same weights."""
+  s = setup
+  torch.manual_seed(1)
+  storage = KVStorage(default="bf16")
+  mod = tb.PackedAttention(HIDDEN, WAN_LIKE, storage=storage, qkv_bias=True, o_bias=True).requires_grad_(False)
+  assert mod.q_norm.weight.shape == (H * D,)
+  with torch.no_grad():
+    mod.q_norm.weight.copy_(1 + 0.2 * torch.randn(H * D))
+    mod.k_norm.weight.copy_(1 + 0.2 * torch.randn(H * D))
+    mod.qkv_proj.bias.copy_(0.1 * torch.randn(3 * H * D))
+    mod.o_proj.bias.copy_(0.1 * torch.randn(HIDDEN))
+  cos, sin = (torch.tensor(a) for a in rope_tables(rope_3d_angles(dit_grid(T, 20), freqs_per_axis=10), D, "pairs"))
+  got = mod(s["x"], cos, sin)
+  want = _across_pairs_f32(s["x"], mod, cos, sin)
+  qual = quality(got.float().numpy(), want.numpy())
+  assert qual["cos"] > 0.9995 and qual["rel_l2"] < 0.02, qual
+  weights = QKVWeights(mod.qkv_proj.weight_t, mod.qkv_proj.bias, mod.q_norm.weight, mod.k_norm.weight)
+  jo = jlayer.attention_layer(dlpack.to_jax(s["x"], "x"), _jax_weights(weights), layout=WAN_LIKE,
+                              rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), storage=storage,
+                              attention=Dense())
+  assert torch.equal(got, mod.o_proj(torch.from_dlpack(jo).reshape(B, T, H * D)))
 
 
 def test_required_bytes_matches_the_buffers_of_a_call(setup, mixed):
   """The formula's terms are the buffers the CPU path allocates: Q, the packed K/V,
   one projection chunk, the streamed plan's scratch, the o_proj output."""
   s = setup
-  need = s["mod"].required_bytes(T, block_classes=MIXED)
+  need = s["mod"].required_bytes(T, storage=KVStorage(block_classes=MIXED))
   q, packed = mixed["q"], mixed["packed"]
   assert need["q"] == q.numel() * q.element_size()
   assert need["packed_kv"] == packed.nbytes()
   width = 3 * H * D
-  rows = jqkv.chunk_rows(T, HIDDEN, width, jqkv.DEFAULT_SCRATCH_BYTES)
+  rows = jqkv.chunk_rows(T, HIDDEN, width, DEFAULT_SCRATCH_BYTES)
   assert rows == 192 and need["projection_scratch"] == rows * (width * 4 + HIDDEN * 2) + jqkv.GEMM_WORKSPACE_BYTES
-  plan = jattn.streamed_plan(B, T, T, H, D, jqkv.DEFAULT_SCRATCH_BYTES)
+  plan = jattn.streamed_plan(B, T, T, H, D, DEFAULT_SCRATCH_BYTES)
   assert plan.group == H and need["attention_scratch"] == plan.scratch == 4 * B * T * H * D * 2
-  out = s["mod"](s["x"], s["cos"], s["sin"], block_classes=MIXED)
+  out = s["mod"](s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=MIXED))
   assert need["o_proj_output"] == out.numel() * out.element_size()
   assert need["peak"] == max(need["projection"], need["attention"], need["o_proj"])
   assert need["projection"] == need["q"] + need["packed_kv"] + need["projection_scratch"]
   # Small budgets: the chunk and the head group shrink, the peak with them.
-  small = tb.required_bytes(152263, 56, 128, 5376, scratch_bytes=128 << 20)
+  small = tb.required_bytes(152263, QKVLayout.h3(56, 128), 5376, attention=Dense(scratch_bytes=128 << 20))
   assert small["projection_scratch"] <= 128 << 20 and small["attention_scratch"] <= 128 << 20
   with pytest.raises(ValueError, match="must be positive"):
-    tb.required_bytes(0, 56, 128, 5376)
+    tb.required_bytes(0, QKVLayout.h3(56, 128), 5376)
 
 
 def test_sol_attention_bridge_equals_jax_kernel_and_compiles(mixed):
@@ -196,18 +324,17 @@ def test_sol_attention_bridge_equals_jax_kernel_and_compiles(mixed):
   from pallas_kernels import sol as jsol
   key_bias = torch.ones(B, T, dtype=torch.bool)
   key_bias[:, 5:9] = False
-  opts = dict(tau=0.5, sink_blocks=(0, 1), topk_ratio=0.0, tail=True)
-  o = tb.sol_attention(mixed["q"], mixed["packed"], key_bias=key_bias, **opts)
-  jo = jsol.sol_attention(mixed["jq"], mixed["jpacked"], key_bias=dlpack.to_jax(key_bias, "kb"), **opts)
+  sol = Sol(tau=0.5, sink_blocks=(0, 1), topk_ratio=0.0, tail=True)
+  o = tb.sol_attention(mixed["q"], mixed["packed"], sol, key_bias=key_bias)
+  jo = jsol.sol_attention(mixed["jq"], mixed["jpacked"], sol, key_bias=dlpack.to_jax(key_bias, "kb"))
   assert torch.equal(o, torch.from_dlpack(jo))
-  ref = jsol.sol_attention_reference(mixed["jq"], mixed["jpacked"], key_bias=jnp.asarray(key_bias.numpy()),
-                                     **opts)
+  ref = jsol.sol_attention_reference(mixed["jq"], mixed["jpacked"], sol, key_bias=jnp.asarray(key_bias.numpy()))
   assert quality(o.float().numpy(), ref)["rel_l2"] < 1e-2
-  meta_args = ops._attention_args(mixed["packed"])
+  meta_args = ops._packed_args(mixed["packed"])
+  sol_json = sol.to_json()
 
   def fn(q, kb, *packed):
-    return torch.ops.packed_kv.sol_attention(q, list(packed), *meta_args[1:], 0.5, None, [0, 1], None,
-                                             kb, 0.0, True, None, None, False, None)
+    return torch.ops.packed_kv.sol_attention(q, list(packed), *meta_args[1:], sol_json, kb, None, False, None)
   compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
   assert torch.equal(compiled(mixed["q"], key_bias, *mixed["packed"].as_tuple()), o)
   with pytest.raises(tb.BridgeError, match=r"Sol attention is self-attention"):
@@ -244,7 +371,7 @@ def test_zero_copy_both_directions(setup, mixed, monkeypatch):
   monkeypatch.setattr(dlpack, "to_jax", rec_in)
   monkeypatch.setattr(dlpack, "to_torch", rec_out)
   s = setup
-  q, packed = tb.streamed_qkv(s["x"], s["w"], block_classes=MIXED, **s["kw"])
+  q, packed = tb.streamed_qkv(s["x"], s["weights"], storage=KVStorage(block_classes=MIXED), **s["kw"])
   o = tb.packed_attention(q, packed)
   assert {n for n, *_ in seen_in} >= {"x", "w_qkv", "q", *(f"packed.{n}" for n in formats.ARRAY_NAMES)}
   assert all(tp == jp for _, tp, jp in seen_in), seen_in
@@ -259,11 +386,11 @@ def test_zero_copy_both_directions(setup, mixed, monkeypatch):
 def _calls_that_return_jax_memory(s, mixed):
   """Each public torch entry point that hands torch a JAX buffer, as a thunk whose
   result is dropped by the caller (the module's own ``o`` never leaves forward)."""
-  sol_mod = tb.PackedH3Attention(s["mod"].hidden, s["mod"].heads, s["mod"].head_dim, attention="sol",
+  sol_mod = tb.PackedH3Attention(s["mod"].hidden, s["mod"].heads, s["mod"].head_dim, attention=Sol(),
                                  device=s["x"].device).requires_grad_(False)
   sol_mod.load_state_dict(s["mod"].state_dict())
   return {
-      "streamed_qkv": lambda: tb.streamed_qkv(s["x"], s["w"], **s["kw"]),
+      "streamed_qkv": lambda: tb.streamed_qkv(s["x"], s["weights"], **s["kw"]),
       "packed_attention": lambda: tb.packed_attention(mixed["q"], mixed["packed"]),
       "sol_attention": lambda: tb.sol_attention(mixed["q"], mixed["packed"]),
       "TorchPackedKV.from_jax": lambda: tb.TorchPackedKV.from_jax(mixed["packed"].to_jax()),
@@ -356,7 +483,7 @@ def test_torch_packed_kv_mirror(mixed):
   packed.check()
   back = packed.to_jax()
   for name in formats.ARRAY_NAMES:
-    assert dlpack.share_memory(packed.tensors[name], back.arrays[name]), name
+    assert _share_memory(packed.tensors[name], back.arrays[name]), name
   again = tb.TorchPackedKV.from_jax(back)
   assert all(again.tensors[n].data_ptr() == packed.tensors[n].data_ptr() for n in formats.ARRAY_NAMES)
   assert packed.nbytes() == back.nbytes()
@@ -378,9 +505,12 @@ def test_fake_impls_match_real_outputs(setup, mixed):
   from torch._subclasses.fake_tensor import FakeTensorMode
   s = setup
   with FakeTensorMode() as mode:
-    fx, fw = mode.from_tensor(s["x"]), mode.from_tensor(s["w"])
+    fx = mode.from_tensor(s["x"])
+    fw = QKVWeights(*(None if t is None else mode.from_tensor(t) for t in
+                      (s["weights"].w_qkv, s["weights"].bias, s["weights"].q_norm_weight,
+                       s["weights"].k_norm_weight)))
     fkw = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in s["kw"].items()}
-    fq, fpacked = tb.streamed_qkv(fx, fw, block_classes=MIXED, **fkw)
+    fq, fpacked = tb.streamed_qkv(fx, fw, storage=KVStorage(block_classes=MIXED), **fkw)
     fo = tb.packed_attention(fq, fpacked)
   real = [mixed["q"], *mixed["packed"].as_tuple(), mixed["o"]]
   fake = [fq, *fpacked.as_tuple(), fo]
@@ -392,14 +522,14 @@ def test_opcheck(setup, mixed):
   """torch.library.opcheck: schema (no hidden aliasing or mutation), fake vs real,
   and AOT dispatch, on the already-compiled MIXED configuration."""
   s = setup
-  kw = s["kw"]
-  scratch = jqkv.DEFAULT_SCRATCH_BYTES
-  qkv_args = (s["x"], s["w"], None, kw["q_norm_weight"], kw["k_norm_weight"], kw["rope_cos"],
-              kw["rope_sin"], kw["layout"].to_json(), list(MIXED), "channel", "token", 0, 1, "auto", scratch, None)
+  kw, wts = s["kw"], s["weights"]
+  scratch = DEFAULT_SCRATCH_BYTES
+  qkv_args = (s["x"], s["w"], None, wts.q_norm_weight, wts.k_norm_weight, kw["rope_cos"], kw["rope_sin"],
+              kw["layout"].to_json(), KVStorage(block_classes=MIXED).to_json(), "auto", scratch, None)
   utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
   torch.library.opcheck(torch.ops.packed_kv.streamed_qkv, qkv_args, test_utils=utils)
-  attn_args = (mixed["q"], *ops._attention_args(mixed["packed"]), None, None, None, None, None, False, "auto",
-               scratch, None)
+  attn_args = (mixed["q"], *ops._packed_args(mixed["packed"]), Dense().to_json(), None, None, None, None, False,
+               None)
   torch.library.opcheck(torch.ops.packed_kv.packed_attention, attn_args, test_utils=utils)
 
 
@@ -420,8 +550,13 @@ def test_state_dict_matches_plain_module(setup):
 # Bad inputs fail clearly, before any kernel runs
 # --------------------------------------------------------------------------------------
 def _call_qkv(s, **over):
-  args = dict(x=s["x"], w_qkv=s["w"], **s["kw"]) | over
-  return tb.streamed_qkv(args.pop("x"), args.pop("w_qkv"), **args)
+  """tb.streamed_qkv on the setup's inputs, any of x, the weights' fields (w_qkv, bias,
+  q_norm_weight, k_norm_weight), the RoPE tables, layout or storage replaced."""
+  w = s["weights"]
+  args = dict(x=s["x"], w_qkv=w.w_qkv, bias=w.bias, q_norm_weight=w.q_norm_weight,
+              k_norm_weight=w.k_norm_weight, **s["kw"]) | over
+  weights = QKVWeights(*(args.pop(k) for k in ("w_qkv", "bias", "q_norm_weight", "k_norm_weight")))
+  return tb.streamed_qkv(args.pop("x"), weights, **args)
 
 
 def test_bad_projection_inputs(setup):
@@ -439,9 +574,11 @@ def test_bad_projection_inputs(setup):
   with pytest.raises(tb.BridgeError, match=r"q_norm_weight must be \(128,\) for norm='across'"):
     _call_qkv(s, layout=QKVLayout(H, D, "across", "pairs"))
   with pytest.raises(tb.BridgeError, match=r"q_norm_weight .* must be torch.float32"):
-    _call_qkv(s, q_norm_weight=s["kw"]["q_norm_weight"].bfloat16())
-  with pytest.raises(tb.BridgeError, match=r"block_classes has 2 entries, need 3"):
-    _call_qkv(s, block_classes=(0, 0))
+    _call_qkv(s, q_norm_weight=s["weights"].q_norm_weight.bfloat16())
+  with pytest.raises(tb.BridgeError, match=r"block_classes has 2 entries but T = 150 has 3 blocks"):
+    _call_qkv(s, storage=KVStorage(block_classes=(0, 0)))
+  with pytest.raises(tb.BridgeError, match=r"weights must be a QKVWeights"):
+    tb.streamed_qkv(s["x"], s["w"], **s["kw"])
   with pytest.raises(tb.BridgeError,
                      match=r"rope_sin .* is on meta but the other inputs are on cpu; move it with \.to\('cpu'\)"):
     _call_qkv(s, rope_sin=torch.empty(T, D, device="meta"))
@@ -455,10 +592,10 @@ def test_cpu_tensors_refused_when_kernels_run_on_gpu(setup, monkeypatch):
 
 def test_bad_attention_inputs(mixed):
   q, packed = mixed["q"], mixed["packed"]
-  args = ops._attention_args(packed)
-  call = lambda *a, **k: torch.ops.packed_kv.packed_attention(*a, **({"sm_scale": None,
+  args = ops._packed_args(packed)
+  call = lambda *a, **k: torch.ops.packed_kv.packed_attention(*a, **({"attention": Dense().to_json(),
       "q_segment_ids": None, "kv_segment_ids": None, "kv_mask": None, "kv_lengths": None,
-      "keep_rotated": False, "method": "auto", "scratch_bytes": 1 << 29, "interpret": None} | k))
+      "keep_rotated": False, "interpret": None} | k))
   with pytest.raises(tb.BridgeError, match=r"packed must hold 16 tensors"):
     call(q, args[0][:-1], *args[1:])
   bad = list(args[0])
@@ -476,8 +613,12 @@ def test_bad_attention_inputs(mixed):
     call(q, *args, kv_mask=torch.ones(B, T, dtype=torch.uint8))
   with pytest.raises(tb.BridgeError, match=r"kv_lengths .* must have shape \[1\]"):
     call(q, *args, kv_lengths=torch.ones(2, dtype=torch.int32))
+  # A bad method fails where it is written: at Dense(...), before any op runs; the op
+  # rejects an attention config that is not Dense's.
   with pytest.raises(ValueError, match=r"method must be one of"):
-    call(q, *args, method="cudnn")
+    Dense(method="cudnn")
+  with pytest.raises(tb.BridgeError, match=r"takes a Dense\(\.\.\.\) config"):
+    call(q, *args, attention=Sol().to_json())
   with pytest.raises(tb.BridgeError, match=r"TorchPackedKV"):
     tb.packed_attention(q, packed.as_tuple())
 
@@ -544,9 +685,10 @@ def gpu_setup():
   ref, mod = _modules(g["hidden"], g["h"], g["d"], device="cuda")
   cos, sin = _rope(g["t"], g["d"], 96, device="cuda")
   x = torch.randn(g["b"], g["t"], g["hidden"], dtype=torch.bfloat16, device="cuda")
-  kw = dict(q_norm_weight=mod.q_norm.weight, k_norm_weight=mod.k_norm.weight, rope_cos=cos,
-            rope_sin=sin, layout=QKVLayout.h3(g["h"], g["d"], 96))
-  return dict(ref=ref, mod=mod, x=x, w=mod.qkv_proj.weight_t, cos=cos, sin=sin, kw=kw)
+  w = mod.qkv_proj.weight_t
+  weights = QKVWeights(w, None, mod.q_norm.weight, mod.k_norm.weight)
+  kw = dict(rope_cos=cos, rope_sin=sin, layout=QKVLayout.h3(g["h"], g["d"], 96))
+  return dict(ref=ref, mod=mod, x=x, w=w, weights=weights, cos=cos, sin=sin, kw=kw)
 
 
 @pytest.mark.gpu
@@ -571,27 +713,27 @@ def test_gpu_allocator_policy():
 @pytest.mark.gpu
 def test_gpu_zero_copy_and_parity(gpu_setup):
   s = gpu_setup
-  q, packed = tb.streamed_qkv(s["x"], s["w"], block_classes=None, **s["kw"])
-  jx, jw = dlpack.to_jax(s["x"], "x"), dlpack.to_jax(s["w"], "w")
+  q, packed = tb.streamed_qkv(s["x"], s["weights"], storage=None, **s["kw"])
+  jx, jweights = dlpack.to_jax(s["x"], "x"), _jax_weights(s["weights"])
   assert jx.unsafe_buffer_pointer() == s["x"].data_ptr()
-  assert jw.unsafe_buffer_pointer() == s["w"].data_ptr()
-  jq, jpacked = jqkv.streamed_qkv(jx, jw, **_jax_kwargs(s["kw"]))
+  assert jweights.w_qkv.unsafe_buffer_pointer() == s["w"].data_ptr()
+  jq, jpacked = jqkv.streamed_qkv(jx, jweights, **_jax_kwargs(s["kw"]))
   assert torch.equal(q, torch.from_dlpack(jq))
   back = packed.to_jax()
   for name in formats.ARRAY_NAMES:
     t = packed.tensors[name]
     assert t.is_cuda
     if t.numel():
-      assert dlpack.share_memory(t, back.arrays[name]), name
+      assert _share_memory(t, back.arrays[name]), name
     assert torch.equal(t, torch.from_dlpack(jpacked.arrays[name])), name
   o = tb.packed_attention(q, packed)
   assert torch.equal(o, torch.from_dlpack(jattn.packed_attention(jq, jpacked)))
   want = s["ref"](s["x"], s["cos"], s["sin"])
-  got = s["mod"](s["x"], s["cos"], s["sin"], block_classes=(2,) * 16)
+  got = s["mod"](s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=(2,) * 16))
   qual = quality(got.float().cpu().numpy(), want.float().cpu().numpy())
   assert qual["cos"] > 0.9995 and qual["rel_l2"] < 0.02, qual
   compiled = torch.compile(s["mod"], fullgraph=True, backend="aot_eager")
-  assert torch.equal(compiled(s["x"], s["cos"], s["sin"], block_classes=(2,) * 16), got)
+  assert torch.equal(compiled(s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=(2,) * 16)), got)
 
 
 @pytest.mark.gpu
@@ -619,14 +761,17 @@ def test_gpu_stream_ordering(gpu_setup, side_stream):
 def test_gpu_bad_devices_and_alignment(gpu_setup):
   s = gpu_setup
   with pytest.raises(tb.BridgeError, match=r"on the CPU but the kernels run on JAX's GPU"):
-    tb.streamed_qkv(s["x"].cpu(), s["w"].cpu(), **{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                                                   for k, v in s["kw"].items()})
+    cpu_weights = QKVWeights(*(None if t is None else t.cpu() for t in
+                               (s["weights"].w_qkv, s["weights"].bias, s["weights"].q_norm_weight,
+                                s["weights"].k_norm_weight)))
+    tb.streamed_qkv(s["x"].cpu(), cpu_weights, **{k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                                                  for k, v in s["kw"].items()})
   with pytest.raises(tb.BridgeError, match=r"rope_cos .* is on cpu but the other inputs are on cuda:0"):
-    tb.streamed_qkv(s["x"], s["w"], **(s["kw"] | {"rope_cos": s["cos"].cpu()}))
+    tb.streamed_qkv(s["x"], s["weights"], **(s["kw"] | {"rope_cos": s["cos"].cpu()}))
   big = torch.zeros(s["x"].numel() + 16, dtype=torch.bfloat16, device="cuda")
   shifted = big[8:8 + s["x"].numel()].view_as(s["x"])  # 16 bytes off
   with pytest.raises(tb.BridgeError, match=r"not 32-byte aligned"):
-    tb.streamed_qkv(shifted, s["w"], **s["kw"])
+    tb.streamed_qkv(shifted, s["weights"], **s["kw"])
   # 32 bytes off is enough on CUDA: JAX shares it (to_jax raises if JAX copied).
   ok = big[16:16 + s["x"].numel()].view_as(s["x"])
   assert dlpack.to_jax(ok, "x").unsafe_buffer_pointer() == ok.data_ptr()
@@ -644,9 +789,9 @@ def test_gpu_memory_comes_back_when_outputs_drop():
   cos, sin = _rope(t, d, 96, device="cuda")
   x = torch.randn(1, t, hidden, dtype=torch.bfloat16, device="cuda")
   s = dict(mod=mod, x=x, w=mod.qkv_proj.weight_t, cos=cos, sin=sin,
-           kw=dict(q_norm_weight=mod.q_norm.weight, k_norm_weight=mod.k_norm.weight, rope_cos=cos, rope_sin=sin,
-                   layout=QKVLayout.h3(h, d, 96)))
-  q, packed = tb.streamed_qkv(s["x"], s["w"], **s["kw"])
+           weights=QKVWeights(mod.qkv_proj.weight_t, None, mod.q_norm.weight, mod.k_norm.weight),
+           kw=dict(rope_cos=cos, rope_sin=sin, layout=QKVLayout.h3(h, d, 96)))
+  q, packed = tb.streamed_qkv(s["x"], s["weights"], **s["kw"])
   calls = _calls_that_return_jax_memory(s, {"q": q, "packed": packed})
 
   def free_mib():

@@ -42,6 +42,7 @@ device the bridge gives torch's cached free blocks back to the device
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -100,6 +101,7 @@ def _check_fake(t, name, *, dtype=None, shape=None, ndim=None, device=None):
   return t
 
 
+@functools.lru_cache(maxsize=256)
 def _storage(text: str) -> KVStorage:
   """The op's storage argument (``KVStorage.to_json()`` text) as a KVStorage."""
   try:
@@ -108,10 +110,16 @@ def _storage(text: str) -> KVStorage:
     raise dlpack.BridgeError(f"storage rejected: {e}") from None
 
 
+@functools.lru_cache(maxsize=256)
+def _attention_config(text: str):
+  return attention_from_json(text)
+
+
 def _attention(text: str, kind=None):
-  """The op's attention argument (``Dense(...).to_json()`` / ``Sol(...).to_json()``)."""
+  """The op's attention argument (``Dense(...).to_json()`` / ``Sol(...).to_json()``),
+  parsed once per distinct text."""
   try:
-    cfg = attention_from_json(text)
+    cfg = _attention_config(text)
   except (TypeError, ValueError) as e:
     raise dlpack.BridgeError(f"attention rejected: {e}") from None
   if kind is not None and not isinstance(cfg, kind):
@@ -122,6 +130,7 @@ def _attention(text: str, kind=None):
 # --------------------------------------------------------------------------------------
 # Streamed projection
 # --------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
 def _layout(layout) -> QKVLayout:
   """The op's layout argument (``QKVLayout.to_json()`` text) as a QKVLayout."""
   try:
