@@ -31,6 +31,25 @@ from formats import packed_kv as fmt
 from formats.calibration import PrecisionPolicy
 
 
+def json_fields(text: str, cls, extra=()) -> dict:
+  """The fields of a settings value (a frozen dataclass: ``KVStorage``, ``QKVLayout``,
+  ``Dense``, ``Sol``) from its ``to_json()`` text; anything else raises ValueError naming
+  the class and, for unknown keys, its settings. ``extra``: keys allowed beside the
+  fields (a kind tag)."""
+  name = cls.__name__
+  try:
+    d = json.loads(text)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"expected {name}.to_json() text, got {text!r}") from e
+  if not isinstance(d, dict):
+    raise ValueError(f"expected {name}.to_json() text, got {text!r}")
+  known = [f.name for f in dataclasses.fields(cls)]
+  unknown = set(d) - set(known) - set(extra)
+  if unknown:
+    raise ValueError(f"{name} has no setting {sorted(unknown)}; its settings are {known}")
+  return d
+
+
 def class_id(c) -> int:
   """A class given by name (``"int8"``) or id (``1``) -> its id; anything else raises
   naming the classes there are."""
@@ -170,12 +189,7 @@ class KVStorage:
 
   @classmethod
   def from_json(cls, text: str) -> "KVStorage":
-    try:
-      d = json.loads(text)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"storage must be KVStorage.to_json() text, got {text!r}") from e
-    if not isinstance(d, dict) or set(d) - {f.name for f in dataclasses.fields(cls)}:
-      raise ValueError(f"storage must be KVStorage.to_json() text, got {text!r}")
+    d = json_fields(text, cls)
     if d.get("policy") is not None:
       d["policy"] = PrecisionPolicy.from_json(d["policy"])
     if isinstance(d.get("policy_key"), list):

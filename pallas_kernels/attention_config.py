@@ -21,6 +21,8 @@ import math
 
 import numpy as np
 
+from formats.storage import json_fields
+
 # The one default scratch budget of the library (projection chunks, dense head groups,
 # Sol head groups).
 DEFAULT_SCRATCH_BYTES = 512 << 20
@@ -194,16 +196,15 @@ ATTENTIONS = {"dense": Dense, "sol": Sol}
 def attention_from_json(text: str):
   """``Dense`` or ``Sol`` from its ``to_json()`` text."""
   try:
-    d = json.loads(text)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"attention must be Dense(...).to_json() or Sol(...).to_json() text, got {text!r}") from e
-  if not isinstance(d, dict) or d.get("kind") not in ATTENTIONS:
-    raise ValueError(f"attention JSON must carry kind 'dense' or 'sol', got {text!r}")
-  cls = ATTENTIONS[d.pop("kind")]
-  unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-  if unknown:
-    raise ValueError(f"{cls.__name__} has no setting {sorted(unknown)}; its settings are "
-                     f"{[f.name for f in dataclasses.fields(cls)]}")
+    kind = json.loads(text).get("kind")
+  except (TypeError, ValueError, AttributeError):
+    kind = None
+  if kind not in ATTENTIONS:
+    raise ValueError(f"attention JSON must carry kind 'dense' or 'sol': attention must be Dense(...).to_json() "
+                     f"or Sol(...).to_json() text, got {text!r}")
+  cls = ATTENTIONS[kind]
+  d = json_fields(text, cls, extra=("kind",))
+  d.pop("kind")
   return cls(**d)
 
 

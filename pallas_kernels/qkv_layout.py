@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from formats.packed_kv import check_head_dim
+from formats.storage import json_fields
 
 from pallas_kernels.rope import STYLES as ROPE_STYLES
 
@@ -77,13 +78,7 @@ class QKVLayout:
 
   @classmethod
   def from_json(cls, text: str) -> "QKVLayout":
-    try:
-      fields = json.loads(text)
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"layout must be QKVLayout.to_json() text, got {text!r}") from e
-    if not isinstance(fields, dict):
-      raise ValueError(f"layout must be QKVLayout.to_json() text, got {text!r}")
-    return cls(**fields)
+    return cls(**json_fields(text, cls))
 
   @property
   def width(self) -> int:

@@ -355,7 +355,7 @@ def test_bad_inputs(changes, match):
     (lambda: QKVLayout(1, 64, norm="layer"), "norm must be one of"),
     (lambda: QKVLayout(1, 64, rope="complex"), "rope must be one of"),
     (lambda: QKVLayout(1, 64, eps=0.0), "eps must be positive"),
-    (lambda: QKVLayout.from_json("{bad"), "layout must be QKVLayout.to_json"),
+    (lambda: QKVLayout.from_json("{bad"), "expected QKVLayout.to_json"),
     (lambda: ProjectionTuning(gemm_dtype="float16"), "gemm_dtype must be"),
     (lambda: ProjectionTuning(epilogue_num_warps=3), "epilogue_num_warps must be"),
 ])
