@@ -1,44 +1,85 @@
 """Drop-in attention processors for diffusers video transformers: the streamed projection
-and packed K/V instead of ``to_q`` / ``to_k`` / ``to_v`` and SDPA.
+and packed K/V instead of the q / k / v projections and SDPA.
 
     from torch_bridge.diffusers import use_packed_attention
     transformer = WanTransformer3DModel.from_pretrained(..., torch_dtype=torch.bfloat16)
-    use_packed_attention(transformer)                  # or attention=Sol(tau=1.0)
+    report = use_packed_attention(transformer)         # or attention=Sol(tau=1.0)
+    print(report)                                      # each attention module: installed, or why not
 
 diffusers lets a model swap the processor of each attention module without touching the
-model's code (``attn.set_processor``). ``use_packed_attention`` installs ours on every
-*self-attention over video tokens* of a supported transformer and leaves cross-attention
-to the text alone (its keys are a few hundred text tokens, nothing to save). Our
-processor calls one op, ``torch.ops.packed_kv.attention_layer``: x (B, S, hidden) ->
+model's code (``attn.set_processor``). ``use_packed_attention`` walks
+``transformer.named_modules()`` and installs ours on every *self-attention* it can serve,
+whatever the model class, and leaves every other attention module on its stock processor.
+Our processor calls one op, ``torch.ops.packed_kv.attention_layer``: x (B, S, hidden) ->
 streamed QKV projection (Q bf16, K/V packed, never the BF16 QKV) -> dense or Sol
-attention over the packed K/V, the output written over Q; then the module's own
-``to_out``.
+attention over the packed K/V, the output written over Q; then the module's own output
+projection.
 
-Each model's attention differs in its QK norm and RoPE; a ``QKVLayout`` says which, and
-the processor hands the model's own RoPE tables to the kernel:
+How a module is recognised. Two things decide, and both are read, not assumed from the
+model class:
 
-| model (diffusers class) | self-attention modules | QK norm | RoPE (tables the model builds) |
-|---|---|---|---|
-| Wan 2.x (``WanTransformer3DModel``) | ``blocks.N.attn1`` | RMSNorm over all H*D channels | adjacent pairs on every channel of a head, (1, S, 1, D) f32 |
-| LTX-Video (``LTXVideoTransformer3DModel``) | ``transformer_blocks.N.attn1`` | RMSNorm over all H*D channels | adjacent pairs over the flat H*D channels, each head its own frequencies, (B, S, H*D) f32 |
+* The module's own attributes: q / k / v ``nn.Linear`` projections (``to_q`` ... or a
+  fused ``to_qkv``, which is unfused first) of one width (no grouped-query attention),
+  bias on all three or none, head dim 64 or 128, and its QK norms: ``RMSNorm`` over
+  head_dim (layout norm ``"head"``), over heads*head_dim (``"across"``) or none.
+  Cross-attention (``is_cross_attention``) stays stock; added text projections
+  (``add_q_proj`` / ``add_k_proj``) mean joint text+video attention, not served yet.
+* How the model calls it, which is what its stock processor class says: the keyword
+  the rotary embedding arrives under, the format of that embedding, and where the
+  RoPE goes. Each served convention maps the model's own tables onto the layout's RoPE
+  (``"pairs"`` or ``"half"``, one table for all heads or one per head); the table
+  below lists them. A processor outside the table is left stock (its RoPE format, or
+  whether it joins text tokens into the attention, is not known), with the reason in
+  the report.
+
+| family (diffusers classes) | stock processor -> ours | self-attention served | QK norm | RoPE the model passes -> layout |
+|---|---|---|---|---|
+| Wan 2.x, Wan VACE, ChronoEdit (``WanAttention``); SkyReels-V2 (``SkyReelsV2Attention``) | ``WanAttnProcessor`` / ``SkyReelsV2AttnProcessor`` -> ``PackedWanAttnProcessor`` | ``attn1`` (``is_cross_attention`` False; VACE's ``vace_blocks.N.attn1`` too) | RMSNorm over H*D | ``rotary_emb`` (cos, sin), each (1, S, 1, D) f32 -> ``pairs`` |
+| Helios (``HeliosAttention``) | ``HeliosAttnProcessor`` -> ``PackedHeliosAttnProcessor`` | ``attn1``, unless ``is_amplify_history`` | RMSNorm over H*D | ``rotary_emb`` (B, S, 2*D), cos then sin -> ``pairs`` |
+| LTX-Video (``LTXAttention``) | ``LTXVideoAttnProcessor`` -> ``PackedLTXAttnProcessor`` | the module named ``attn1`` | RMSNorm over H*D | ``image_rotary_emb`` (cos, sin), each (B, S, H*D) -> ``pairs``, one table per head |
+| LTX-2 (``LTX2Attention``) | ``LTX2AudioVideoAttnProcessor`` -> ``PackedLTX2AttnProcessor`` | the modules named ``attn1`` (video) and ``audio_attn1`` (audio); per-head output gates applied | RMSNorm over H*D | ``query_rotary_emb`` (cos, sin): ``rope_type`` "interleaved" (B, S, H*D) -> ``pairs``, "split" (B, H, S, D/2) -> ``half``, one table per head |
+| Cosmos Predict-1 (``Attention``) | ``CosmosAttnProcessor2_0`` -> ``PackedCosmosAttnProcessor`` | ``attn1`` (``is_cross_attention`` False) | RMSNorm over D | ``image_rotary_emb`` (cos, sin), each (S, D) -> ``half`` |
+| MiniMax-H3 (``MiniMaxH3Attention``) | ``MiniMaxH3AttnProcessor`` -> ``PackedH3AttnProcessor`` | every one (H3 has no cross-attention; the text refiner's run without RoPE) | RMSNorm over D | ``rotary_emb`` (cos, sin), each (S, rot_dim) -> ``half`` on the first rot_dim channels |
+| Kandinsky 5 (``Kandinsky5Attention``) | ``Kandinsky5AttnProcessor`` -> ``PackedKandinsky5AttnProcessor`` | the modules named ``self_attention`` (visual and text blocks) | RMSNorm over D (of float32 q / k) | ``rotary_emb`` 2x2 rotations (B, S, 1, D/2, 2, 2) -> ``pairs`` |
+
+Left stock, with the reason in the report (``KNOWN_REFUSALS`` names the processors):
+joint text+video attention (HunyuanVideo and HunyuanVideo 1.5, CogVideoX, ConsisID, Mochi,
+EasyAnimate, Motif-Video: text tokens concatenated in, or ``add_q_proj``), Allegro's RoPE
+(rotate-half inside each t/h/w third of a head), linear attention (Sana-Video), the
+generic ``AttnProcessor2_0`` (text refiners, Latte: no RoPE, masks), LTX-2's perturbed
+processor, and any processor not listed above. Wan-Animate runs Wan's processor code
+under its own class, which is not listed until a tiny model of it is tested.
+
+Where an attention module's class cannot say whether it is self- or cross-attention
+(``LTXAttention``, ``LTX2Attention``, ``Kandinsky5Attention``), the convention names the
+self-attention modules (``attn1``, ``self_attention``); if such a module is nevertheless
+called with ``encoder_hidden_states``, ours raises instead of computing something else.
 
 Weights: the kernel reads q, k and v's weights as one contiguous (hidden, 3*H*D)
-matrix. ``use_packed_attention`` builds it once per module and re-points ``to_q``,
-``to_k`` and ``to_v`` (or a fused ``to_qkv``) at views of it, so the model holds its
-projection weights once, as before, and the stock processor still works on them.
+matrix. Installing builds it once per module and re-points the q, k and v Linears at
+views of it, so the model holds its projection weights once, as before, and the stock
+processor still works on them (``restore_stock_attention`` puts it back).
 
-Requirements, checked with errors that name the fix: the transformer in bfloat16, head
-dim 64 or 128, no attention mask on self-attention (neither model passes one), the same
-RoPE table for every batch row (LTX-Video builds one per row from shared coordinates).
+Requirements, checked with errors that name the fix: the transformer in bfloat16, no
+attention mask and no ``encoder_hidden_states`` on a served module (SkyReels-V2 with
+``num_frame_per_block > 1`` passes a block-causal mask; Kandinsky 5's NABLA passes
+``sparse_params``), the RoPE format the convention expects, the same RoPE table for
+every batch row (LTX-Video builds one per row from shared coordinates).
+
+Parity: ``benchmarks/tiny_dits.py`` (``module_parity``) checks each served module of a
+tiny model of every family against stock attention replayed in float32 on the same
+inputs; ``python -m benchmarks.bench_dit --parity`` prints it.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from formats.packed_kv import check_head_dim
 from formats.storage import KVStorage, as_storage
 from pallas_kernels.attention_config import Dense, Sol, as_attention
 from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
@@ -46,6 +87,51 @@ from torch_bridge import dlpack
 from torch_bridge.ops import attention_layer, settings_json
 
 log = logging.getLogger(__name__)
+
+INSTALLED = "installed"
+
+
+class InstallReport(dict):
+  """What ``use_packed_attention`` did to each attention module of a transformer.
+
+  A dict: module name (as ``named_modules()`` gives it; ``""`` for the transformer
+  itself) -> ``"installed"`` or the reason the module stays on its stock processor.
+  ``.installed`` lists the names now on packed attention, ``.refused`` maps the others
+  to their reasons, ``.kinds`` maps every name to its module class name, and
+  ``str(report)`` is a summary grouped by class and reason.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.kinds: dict[str, str] = {}
+
+  def add(self, name: str, module: nn.Module, outcome: str) -> None:
+    self[name] = outcome
+    self.kinds[name] = type(module).__name__
+
+  @property
+  def installed(self) -> list[str]:
+    return [name for name, outcome in self.items() if outcome == INSTALLED]
+
+  @property
+  def refused(self) -> dict[str, str]:
+    return {name: outcome for name, outcome in self.items() if outcome != INSTALLED}
+
+  def grouped(self) -> dict[tuple[str, str], list[str]]:
+    """(module class, outcome) -> names, in the order the modules were seen."""
+    groups = collections.defaultdict(list)
+    for name, outcome in self.items():
+      groups[(self.kinds.get(name, "?"), outcome)].append(name)
+    return dict(groups)
+
+  def summary(self) -> str:
+    lines = [f"packed attention on {len(self.installed)} of {len(self)} attention modules"]
+    for (kind, outcome), names in self.grouped().items():
+      shown = ", ".join(n or "<root>" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+      lines.append(f"  {kind} x{len(names)} ({shown}): {outcome}")
+    return "\n".join(lines)
+
+  __str__ = summary
 
 
 def _fuse_projection(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,90 +152,254 @@ def _fuse_projection(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.
   return weight, bias
 
 
-class _PackedSelfAttnProcessor:
-  """The shared body of our processors: one layer op, then the module's ``to_out``.
+# --------------------------------------------------------------------------------------
+# What a module is: its projections and QK norms, read from its attributes
+# --------------------------------------------------------------------------------------
+class _Refused(Exception):
+  """A module that packed attention does not serve; the message is the reason."""
 
-  Subclasses give the layout and turn the model's rotary embedding into (T, width)
-  float32 tables. The weights are fused once, on the first call (or at install).
+
+class _Spec:
+  """The projection and QK-norm facts of one servable module."""
+
+  def __init__(self, q, k, v, heads, head_dim, norm, eps, q_norm, k_norm):
+    self.q, self.k, self.v = q, k, v
+    self.heads, self.head_dim, self.norm, self.eps = heads, head_dim, norm, eps
+    self.q_norm, self.k_norm = q_norm, k_norm
+
+
+def _rms_norm_facts(norm: nn.Module, what: str, input_dtype: torch.dtype):
+  """(normalized width, eps, weight or None) of an RMSNorm, or _Refused naming the norm."""
+  from diffusers.models import normalization as dn
+  if isinstance(norm, nn.RMSNorm):
+    shape, eps = tuple(norm.normalized_shape), norm.eps
+    # torch's RMSNorm without eps uses the machine epsilon of its input's dtype
+    eps = float(torch.finfo(input_dtype).eps) if eps is None else float(eps)
+    return shape, eps, norm.weight
+  if isinstance(norm, dn.RMSNorm):
+    if getattr(norm, "bias", None) is not None:
+      raise _Refused(f"{what} is an RMSNorm with a bias: not supported")
+    return tuple(norm.dim), float(norm.eps), norm.weight
+  if isinstance(norm, nn.LayerNorm) or "LayerNorm" in type(norm).__name__:
+    raise _Refused(f"layer norm QK norm ({type(norm).__name__}): not supported (RMSNorm or none)")
+  if type(norm).__name__ == "LpNorm":
+    raise _Refused("L2 QK norm (LpNorm): not supported (RMSNorm or none)")
+  raise _Refused(f"QK norm {type(norm).__name__}: not supported (RMSNorm or none)")
+
+
+def _module_spec(module: nn.Module, attrs: dict, input_dtype: torch.dtype) -> _Spec:
+  q, k, v = (getattr(module, attrs[n], None) for n in ("q", "k", "v"))
+  if not all(isinstance(lin, nn.Linear) for lin in (q, k, v)):
+    if getattr(module, "to_qkv", None) is not None:
+      raise _Refused("fused to_qkv without separate q/k/v projections: not supported")
+    raise _Refused(f"no q/k/v nn.Linear projections ({attrs['q']}, {attrs['k']}, {attrs['v']})")
+  heads = getattr(module, attrs["heads"], None)
+  if not isinstance(heads, int) or heads <= 0 or q.out_features % heads:
+    raise _Refused(f"head count {heads!r} does not divide the q width {q.out_features}")
+  if k.out_features != q.out_features or v.out_features != q.out_features:
+    raise _Refused(f"grouped-query attention (K/V width {k.out_features}/{v.out_features} for Q width "
+                   f"{q.out_features}): not supported")
+  if not q.in_features == k.in_features == v.in_features:
+    raise _Refused(f"q/k/v read different widths ({q.in_features}, {k.in_features}, {v.in_features})")
+  head_dim = q.out_features // heads
+  try:
+    check_head_dim(head_dim)
+  except ValueError:
+    raise _Refused(f"head_dim {head_dim} not supported (64 or 128)") from None
+  if len({lin.bias is None for lin in (q, k, v)}) > 1:
+    raise _Refused("bias on some of q/k/v only: not supported")
+  norm_q, norm_k = getattr(module, attrs["norm_q"], None), getattr(module, attrs["norm_k"], None)
+  if norm_q is None and norm_k is None:
+    return _Spec(q, k, v, heads, head_dim, "none", 1e-5, None, None)
+  if norm_q is None or norm_k is None:
+    raise _Refused("a QK norm on only one of q and k: not supported")
+  facts = [_rms_norm_facts(n, w, input_dtype) for n, w in ((norm_q, "norm_q"), (norm_k, "norm_k"))]
+  (shape, eps, wq), (shape_k, eps_k, wk) = facts
+  if shape != shape_k or eps != eps_k:
+    raise _Refused(f"norm_q and norm_k differ (over {shape} eps {eps} vs {shape_k} eps {eps_k})")
+  kinds = {(head_dim,): "head", (heads * head_dim,): "across"}
+  if shape not in kinds:
+    raise _Refused(f"RMSNorm over {list(shape)}: neither head_dim ({head_dim}) nor heads*head_dim "
+                   f"({heads * head_dim})")
+  width = shape[0]
+  as_f32 = lambda w: (torch.ones(width, device=q.weight.device) if w is None else w.detach().float()).contiguous()
+  return _Spec(q, k, v, heads, head_dim, kinds[shape], eps, as_f32(wq), as_f32(wk))
+
+
+# --------------------------------------------------------------------------------------
+# Our processors: one per calling convention
+# --------------------------------------------------------------------------------------
+class _PackedSelfAttnProcessor:
+  """The shared body of our processors: one layer op, then the module's output projection.
+
+  Subclasses state the convention of the stock processor they replace: the attribute
+  names of the projections and norms, which modules are self-attention, the RoPE style,
+  how to turn the model's rotary embedding into (T, width) float32 tables, and the
+  ``__call__`` signature (diffusers passes keywords by the processor's parameter names).
+  The weights are fused once, at construction.
   """
+
+  family = ""
+  attrs = dict(q="to_q", k="to_k", v="to_v", norm_q="norm_q", norm_k="norm_k", heads="heads")
+  rope_style = "pairs"
+  rope_per_head = False
+  norm_input_dtype = torch.bfloat16   # the dtype the stock processor feeds its QK norms
+  self_attention_names: tuple[str, ...] = ()   # set where the module's class cannot tell
 
   _attention_backend = None   # read by diffusers' set_attention_backend / context parallelism
   _parallel_config = None
 
   def __init__(self, attn, *, attention: Dense | Sol | None = None, storage: KVStorage | None = None,
-               interpret: bool | None = None):
+               interpret: bool | None = None, stock=None):
     self.attention, self.storage = as_attention(attention), as_storage(storage)
     self.interpret = interpret
-    self.layout = self.layout_of(attn, _eps(attn.norm_q))
-    # The op's settings as JSON text, computed once (constants under torch.compile).
-    self.settings = tuple(settings_json(v) for v in (self.layout, self.storage, self.attention))
-    if getattr(attn, "fused_projections", False) and getattr(attn, "to_qkv", None) is not None:
-      raise NotImplementedError("this module's projections are fused (fuse_qkv_projections); call "
-                                "unfuse_qkv_projections() before use_packed_attention")
-    self.w_qkv, self.bias = _fuse_projection([attn.to_q, attn.to_k, attn.to_v])
-    self.q_norm = attn.norm_q.weight.detach().float().contiguous()
-    self.k_norm = attn.norm_k.weight.detach().float().contiguous()
+    self.stock_processor = stock if stock is not None else _stock_processor(attn)
+    try:
+      spec = self.check_module(attn)
+    except _Refused as e:
+      raise ValueError(f"{type(self).__name__} cannot serve this {type(attn).__name__}: {e}") from None
+    if getattr(attn, "fused_projections", False):   # fuse_qkv_projections() kept to_q/to_k/to_v: drop the copy
+      if hasattr(attn, "unfuse_projections"):
+        attn.unfuse_projections()
+      elif hasattr(attn, "to_qkv"):
+        del attn.to_qkv
+      attn.fused_projections = False
+    self.heads, self.head_dim, self.norm, self.eps = spec.heads, spec.head_dim, spec.norm, spec.eps
+    self.rope_style = self.rope_style_of(attn)
+    self.w_qkv, self.bias = _fuse_projection([spec.q, spec.k, spec.v])
+    self.q_norm, self.k_norm = spec.q_norm, spec.k_norm
+    self._settings: dict[int, tuple[str, str, str]] = {}
+    self.settings(self.head_dim)   # check the layout now, not at the first call
 
-  # -- per model ---------------------------------------------------------------------
-  @staticmethod
-  def layout_of(attn, eps: float) -> QKVLayout:
+  # -- per convention --------------------------------------------------------------------
+  @classmethod
+  def check_module(cls, attn, name: str | None = None) -> _Spec:
+    """The module's spec, or _Refused with the reason it is not served."""
+    if name is not None and cls.self_attention_names:
+      if name.rpartition(".")[2] not in cls.self_attention_names:
+        raise _Refused(f"not the self-attention of this model ({type(attn).__name__}'s self-attention is the "
+                       f"module named {' / '.join(cls.self_attention_names)}): cross-attention stays stock")
+    elif getattr(attn, "is_cross_attention", False):
+      raise _Refused("cross-attention (keys from encoder_hidden_states): stays stock")
+    return _module_spec(attn, cls.attrs, cls.norm_input_dtype)
+
+  @classmethod
+  def rope_style_of(cls, attn) -> str:
+    """The layout's RoPE style for this module (most conventions have one)."""
+    return cls.rope_style
+
+  def tables(self, rotary_emb, t: int):
+    """(cos, sin, rot_dim): (T, D) or (T, H*D) float32 tables in the layout's style."""
     raise NotImplementedError
 
-  def tables(self, rotary_emb, b: int, t: int):
-    raise NotImplementedError
+  def output(self, attn, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """o (B, T, H*D) bf16 -> the module's output, as the stock processor finishes."""
+    return attn.to_out[1](attn.to_out[0](o))
 
   # -- the call ------------------------------------------------------------------------
+  def layout(self, rot_dim: int) -> QKVLayout:
+    return QKVLayout(self.heads, self.head_dim, norm=self.norm, rope=self.rope_style, rot_dim=rot_dim,
+                     eps=self.eps, rope_per_head=self.rope_per_head)
+
+  def settings(self, rot_dim: int) -> tuple[str, str, str]:
+    """The op's settings as JSON text, computed once per rot_dim (constants under
+    torch.compile)."""
+    if rot_dim not in self._settings:
+      self._settings[rot_dim] = tuple(settings_json(v) for v in (self.layout(rot_dim), self.storage, self.attention))
+    return self._settings[rot_dim]
+
   def check_self_attention(self, encoder_hidden_states, attention_mask):
-    if encoder_hidden_states is not None or attention_mask is not None:
-      raise NotImplementedError(f"{type(self).__name__} is for self-attention without a mask (attn1); install it "
-                                "with use_packed_attention, which leaves cross-attention stock")
+    if encoder_hidden_states is not None:
+      raise NotImplementedError(f"{type(self).__name__} serves self-attention, but this module was called with "
+                                "encoder_hidden_states; call restore_stock_attention(transformer) (or set the "
+                                "stock processor on this module) to run it")
+    if attention_mask is not None:
+      raise NotImplementedError(f"{type(self).__name__} runs self-attention without a mask, but the model passed "
+                                "attention_mask (e.g. SkyReels-V2 with num_frame_per_block > 1); run the model "
+                                "without a mask or call restore_stock_attention(transformer)")
+
+  def _identity_tables(self, t: int, device):
+    width = self.heads * self.head_dim if self.rope_per_head else self.head_dim
+    return (torch.ones(t, width, device=device), torch.zeros(t, width, device=device), self.head_dim)
 
   def attend(self, attn, hidden_states, rotary_emb):
     if hidden_states.dtype != torch.bfloat16 or self.w_qkv.dtype != torch.bfloat16:
       raise dlpack.BridgeError(f"packed attention runs on bfloat16 (hidden states are {hidden_states.dtype}, "
                                f"weights {self.w_qkv.dtype}); cast the transformer with .to(torch.bfloat16) "
                                "before use_packed_attention")
-    if self.w_qkv.device != hidden_states.device or attn.to_q.weight.data_ptr() != self.w_qkv.data_ptr():
+    q_lin = getattr(attn, self.attrs["q"])
+    if self.w_qkv.device != hidden_states.device or q_lin.weight.data_ptr() != self.w_qkv.data_ptr():
       raise dlpack.BridgeError("the transformer was moved or cast after use_packed_attention, so this processor's "
                                "fused weights are stale; call use_packed_attention again after .to(...)")
     b, t, _ = hidden_states.shape
-    cos, sin = self.tables(rotary_emb, b, t)
-    layout, storage, attention = self.settings
+    if rotary_emb is None:   # the stock processor then applies no RoPE
+      cos, sin, rot_dim = self._identity_tables(t, hidden_states.device)
+    else:
+      cos, sin, rot_dim = self.tables(rotary_emb, t)
+    layout, storage, attention = self.settings(rot_dim)
     o = attention_layer(hidden_states.contiguous(), QKVWeights(self.w_qkv, self.bias, self.q_norm, self.k_norm),
-                        layout=layout, rope_cos=cos, rope_sin=sin, storage=storage, attention=attention,
-                        interpret=self.interpret)
-    out = attn.to_out[0](o.flatten(2, 3))
-    return attn.to_out[1](out)
-
-
-def _eps(norm: nn.Module) -> float:
-  """The eps torch's RMSNorm uses: its own, or (None) the machine epsilon of its dtype."""
-  return float(norm.eps) if norm.eps is not None else float(torch.finfo(norm.weight.dtype).eps)
+                        layout=layout, rope_cos=cos.contiguous(), rope_sin=sin.contiguous(), storage=storage,
+                        attention=attention, interpret=self.interpret)
+    return self.output(attn, o.flatten(2, 3), hidden_states)
 
 
 def _same_rows(table: torch.Tensor, name: str) -> torch.Tensor:
-  """(B, S, W) -> (S, W), refusing tables that differ between batch rows."""
+  """(B, S, ...) -> (S, ...), refusing tables that differ between batch rows."""
   if table.shape[0] > 1 and not torch.equal(table[1:], table[:1].expand_as(table[1:])):
     raise NotImplementedError(f"{name} differs between batch rows; packed attention takes one RoPE table for "
                               "the batch: run the rows one at a time")
   return table[0]
 
 
+def _table_shape_error(name, got, want):
+  return dlpack.BridgeError(f"{name} has shape {list(got)}, expected {want}; packed attention reads the RoPE "
+                            "format of this model's own rotary embedding module")
+
+
 class PackedWanAttnProcessor(_PackedSelfAttnProcessor):
-  """Wan 2.x self-attention (``WanAttention``, ``attn1``) on packed K/V."""
+  """Wan 2.x self-attention (``WanAttention``, ``attn1``; the same processor code serves
+  Wan VACE, ChronoEdit and SkyReels-V2) on packed K/V."""
 
-  @staticmethod
-  def layout_of(attn, eps: float) -> QKVLayout:
-    return QKVLayout(attn.heads, attn.inner_dim // attn.heads, norm="across", rope="pairs", eps=eps)
+  family = "Wan 2.x"
 
-  def tables(self, rotary_emb, b, t):
-    if rotary_emb is None:
-      raise dlpack.BridgeError("Wan self-attention needs rotary_emb (freqs_cos, freqs_sin); call the model, "
-                               "not the attention module, or pass WanRotaryPosEmbed's output")
-    cos, sin = rotary_emb  # (1, S, 1, D): one table for every head and batch row
-    return (cos.reshape(t, -1).float().contiguous(), sin.reshape(t, -1).float().contiguous())
+  def tables(self, rotary_emb, t):
+    cos, sin = rotary_emb   # (1, S, 1, D): one table for every head and batch row
+    d = self.head_dim
+    for name, tab in (("rotary_emb cos", cos), ("rotary_emb sin", sin)):
+      if tab.shape[-1] != d or tab.numel() % (t * d):
+        raise _table_shape_error(name, tab.shape, f"(1, {t}, 1, {d})")
+    cos = _same_rows(cos.reshape(-1, t, d), "rotary_emb cos")
+    sin = _same_rows(sin.reshape(-1, t, d), "rotary_emb sin")
+    # The stock processor reads cos at even and sin at odd channels for each pair.
+    return (cos[:, 0::2].float().repeat_interleave(2, -1), sin[:, 1::2].float().repeat_interleave(2, -1), d)
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+    self.check_self_attention(encoder_hidden_states, attention_mask)
+    return self.attend(attn, hidden_states, rotary_emb)
+
+
+class PackedHeliosAttnProcessor(PackedWanAttnProcessor):
+  """Helios self-attention (``HeliosAttention``, ``attn1``: Wan's attention with the
+  RoPE tables in one (B, S, 2*D) tensor, cos then sin) on packed K/V. Modules that
+  amplify the history's keys (``is_amplify_history``) stay stock."""
+
+  family = "Helios"
+
+  @classmethod
+  def check_module(cls, attn, name=None):
+    spec = super().check_module(attn, name)
+    if getattr(attn, "is_amplify_history", False):
+      raise _Refused("history key amplification (is_amplify_history): not served")
+    return spec
+
+  def tables(self, rotary_emb, t):
+    d = self.head_dim
+    if rotary_emb.shape[-1] != 2 * d:
+      raise _table_shape_error("rotary_emb", rotary_emb.shape, f"(B, {t}, {2 * d}): cos then sin")
+    return super().tables(rotary_emb.chunk(2, dim=-1), t)
+
+  def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None,
+               original_context_length=None):
     self.check_self_attention(encoder_hidden_states, attention_mask)
     return self.attend(attn, hidden_states, rotary_emb)
 
@@ -157,65 +407,286 @@ class PackedWanAttnProcessor(_PackedSelfAttnProcessor):
 class PackedLTXAttnProcessor(_PackedSelfAttnProcessor):
   """LTX-Video self-attention (``LTXAttention``, ``attn1``) on packed K/V."""
 
-  @staticmethod
-  def layout_of(attn, eps: float) -> QKVLayout:
-    return QKVLayout(attn.heads, attn.inner_dim // attn.heads, norm="across", rope="pairs", eps=eps,
-                     rope_per_head=True)
+  family = "LTX-Video"
+  rope_per_head = True
+  self_attention_names = ("attn1",)
 
-  def tables(self, rotary_emb, b, t):
-    if rotary_emb is None:
-      raise dlpack.BridgeError("LTX-Video self-attention needs image_rotary_emb (cos, sin); call the model, "
-                               "not the attention module")
-    cos, sin = rotary_emb  # (B, S, H*D): each head its own frequencies
-    return (_same_rows(cos, "image_rotary_emb cos").float().contiguous(),
-            _same_rows(sin, "image_rotary_emb sin").float().contiguous())
+  def tables(self, rotary_emb, t):
+    cos, sin = rotary_emb   # (B, S, H*D): each head its own frequencies
+    hd = self.heads * self.head_dim
+    for name, tab in (("image_rotary_emb cos", cos), ("image_rotary_emb sin", sin)):
+      if tab.dim() != 3 or tuple(tab.shape[1:]) != (t, hd):
+        raise _table_shape_error(name, tab.shape, f"(B, {t}, {hd})")
+    return (_same_rows(cos, "image_rotary_emb cos").float(), _same_rows(sin, "image_rotary_emb sin").float(),
+            self.head_dim)
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
     self.check_self_attention(encoder_hidden_states, attention_mask)
     return self.attend(attn, hidden_states, image_rotary_emb)
 
 
-def _self_attention_modules(transformer):
-  """(name, module, processor class) of each self-attention over video tokens."""
-  found = []
+class PackedCosmosAttnProcessor(_PackedSelfAttnProcessor):
+  """Cosmos Predict-1 self-attention (``Attention`` with ``CosmosAttnProcessor2_0``,
+  ``attn1``) on packed K/V: per-head RMSNorm, rotate-half RoPE
+  (``apply_rotary_emb(use_real_unbind_dim=-2)``)."""
+
+  family = "Cosmos"
+  rope_style = "half"
+
+  def tables(self, rotary_emb, t):
+    cos, sin = rotary_emb   # (S, D)
+    d = self.head_dim
+    for name, tab in (("image_rotary_emb cos", cos), ("image_rotary_emb sin", sin)):
+      if tuple(tab.shape) != (t, d):
+        raise _table_shape_error(name, tab.shape, f"({t}, {d})")
+    return cos.float(), sin.float(), d
+
+  def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+    self.check_self_attention(encoder_hidden_states, attention_mask)
+    return self.attend(attn, hidden_states, image_rotary_emb)
+
+
+class PackedH3AttnProcessor(_PackedSelfAttnProcessor):
+  """MiniMax-H3 attention (``MiniMaxH3Attention``: the blocks and the text refiner) on
+  packed K/V: per-head RMSNorm, rotate-half RoPE on the first rot_dim channels."""
+
+  family = "MiniMax-H3"
+  rope_style = "half"
+
+  def tables(self, rotary_emb, t):
+    cos, sin = rotary_emb   # (S, rot_dim); the other channels pass through
+    d = self.head_dim
+    rot = cos.shape[-1]
+    for name, tab in (("rotary_emb cos", cos), ("rotary_emb sin", sin)):
+      if tab.dim() != 2 or tuple(tab.shape) != (t, rot) or rot % 2 or rot > d:
+        raise _table_shape_error(name, tab.shape, f"({t}, rot_dim), rot_dim even and <= {d}")
+    pad = d - rot
+    cos = torch.cat([cos.float(), cos.new_ones(t, pad, dtype=torch.float32)], 1)
+    sin = torch.cat([sin.float(), sin.new_zeros(t, pad, dtype=torch.float32)], 1)
+    return cos, sin, rot
+
+  def __call__(self, attn, hidden_states, rotary_emb=None, attention_mask=None):
+    self.check_self_attention(None, attention_mask)
+    return self.attend(attn, hidden_states, rotary_emb)
+
+
+class PackedKandinsky5AttnProcessor(_PackedSelfAttnProcessor):
+  """Kandinsky 5 self-attention (``Kandinsky5Attention`` named ``self_attention``, in the
+  visual and the text blocks) on packed K/V: per-head RMSNorm of float32 q / k, RoPE as
+  2x2 rotation matrices on adjacent pairs."""
+
+  family = "Kandinsky 5"
+  attrs = dict(q="to_query", k="to_key", v="to_value", norm_q="query_norm", norm_k="key_norm", heads="num_heads")
+  norm_input_dtype = torch.float32
+  self_attention_names = ("self_attention",)
+
+  def tables(self, rotary_emb, t):
+    d = self.head_dim
+    if tuple(rotary_emb.shape[-5:]) != (t, 1, d // 2, 2, 2):
+      raise _table_shape_error("rotary_emb", rotary_emb.shape, f"(B, {t}, 1, {d // 2}, 2, 2)")
+    rot = _same_rows(rotary_emb.reshape(-1, t, d // 2, 2, 2), "rotary_emb")
+    cos, sin = rot[..., 0, 0], rot[..., 1, 0]
+    if not (torch.equal(rot[..., 0, 1], -sin) and torch.equal(rot[..., 1, 1], cos)):
+      raise dlpack.BridgeError("rotary_emb is not a rotation [[cos, -sin], [sin, cos]] per channel pair; packed "
+                               "attention serves Kandinsky5RoPE1D / Kandinsky5RoPE3D tables")
+    return cos.float().repeat_interleave(2, -1), sin.float().repeat_interleave(2, -1), d
+
+  def output(self, attn, o, hidden_states):
+    return attn.out_layer(o)
+
+  def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
+    self.check_self_attention(encoder_hidden_states, None)
+    if sparse_params is not None:
+      raise NotImplementedError("Kandinsky 5's NABLA sparse attention (sparse_params) is not served; use "
+                                "attention_type='regular', or attention=Sol(...) for sparse attention")
+    return self.attend(attn, hidden_states, rotary_emb)
+
+
+class PackedLTX2AttnProcessor(_PackedSelfAttnProcessor):
+  """LTX-2 self-attention (``LTX2Attention`` named ``attn1``, video, and ``audio_attn1``,
+  audio) on packed K/V: RMSNorm over H*D, RoPE per head, ``rope_type`` "interleaved"
+  (adjacent pairs, (B, S, H*D) tables) or "split" (rotate-half per head, (B, H, S, D/2)
+  tables); the per-head output gates of ``apply_gated_attention`` are applied as stock
+  does."""
+
+  family = "LTX-2"
+  rope_per_head = True
+  self_attention_names = ("attn1", "audio_attn1")
+
+  @classmethod
+  def check_module(cls, attn, name=None):
+    spec = super().check_module(attn, name)
+    if getattr(attn, "rope_type", None) not in ("interleaved", "split"):
+      raise _Refused(f"LTX-2 rope_type {getattr(attn, 'rope_type', None)!r}: not served (interleaved or split)")
+    return spec
+
+  @classmethod
+  def rope_style_of(cls, attn):
+    return "pairs" if attn.rope_type == "interleaved" else "half"
+
+  def tables(self, rotary_emb, t):
+    cos, sin = rotary_emb
+    h, d = self.heads, self.head_dim
+    if self.rope_style == "pairs":   # (B, S, H*D), adjacent pairs
+      for name, tab in (("query_rotary_emb cos", cos), ("query_rotary_emb sin", sin)):
+        if tab.dim() != 3 or tuple(tab.shape[1:]) != (t, h * d):
+          raise _table_shape_error(name, tab.shape, f"(B, {t}, {h * d})")
+      return (_same_rows(cos, "query_rotary_emb cos").float(), _same_rows(sin, "query_rotary_emb sin").float(), d)
+    out = []   # split: (B, H, S, D/2) -> channel c and c + D/2 of each head share angle c
+    for name, tab in (("query_rotary_emb cos", cos), ("query_rotary_emb sin", sin)):
+      if tab.dim() != 4 or tuple(tab.shape[1:]) != (h, t, d // 2):
+        raise _table_shape_error(name, tab.shape, f"(B, {h}, {t}, {d // 2})")
+      tab = _same_rows(tab, name).float().transpose(0, 1)   # (S, H, D/2)
+      out.append(torch.cat([tab, tab], -1).reshape(t, h * d))
+    return out[0], out[1], d
+
+  def output(self, attn, o, hidden_states):
+    if attn.to_gate_logits is not None:   # per-head gates from the module's input, as stock
+      gates = 2.0 * torch.sigmoid(attn.to_gate_logits(hidden_states))   # (B, T, H)
+      o = (o.unflatten(2, (self.heads, -1)) * gates.unsqueeze(-1)).flatten(2, 3)
+    return attn.to_out[1](attn.to_out[0](o))
+
+  def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
+               key_rotary_emb=None):
+    self.check_self_attention(encoder_hidden_states, attention_mask)
+    if key_rotary_emb is not None and key_rotary_emb is not query_rotary_emb:
+      raise NotImplementedError("LTX-2 self-attention with a separate key_rotary_emb is not served (one RoPE for "
+                                "q and k); call restore_stock_attention(transformer)")
+    return self.attend(attn, hidden_states, query_rotary_emb)
+
+
+# --------------------------------------------------------------------------------------
+# Which stock processor is which convention
+# --------------------------------------------------------------------------------------
+_T = "diffusers.models.transformers."
+_AP = "diffusers.models.attention_processor."
+
+SERVED = {
+    _T + "transformer_wan.WanAttnProcessor": PackedWanAttnProcessor,
+    _T + "transformer_chronoedit.WanAttnProcessor": PackedWanAttnProcessor,
+    _T + "transformer_skyreels_v2.SkyReelsV2AttnProcessor": PackedWanAttnProcessor,
+    _T + "transformer_ltx.LTXVideoAttnProcessor": PackedLTXAttnProcessor,
+    _T + "transformer_cosmos.CosmosAttnProcessor2_0": PackedCosmosAttnProcessor,
+    _T + "transformer_minimax_h3.MiniMaxH3AttnProcessor": PackedH3AttnProcessor,
+    _T + "transformer_kandinsky.Kandinsky5AttnProcessor": PackedKandinsky5AttnProcessor,
+    _T + "transformer_ltx2.LTX2AudioVideoAttnProcessor": PackedLTX2AttnProcessor,
+    _T + "transformer_helios.HeliosAttnProcessor": PackedHeliosAttnProcessor,
+}
+"""Stock processor (module.qualname) -> our processor for that calling convention."""
+
+_JOINT = "joint text+video attention ({}: the text tokens join the video tokens' attention): not supported yet"
+KNOWN_REFUSALS = {
+    _AP + "CogVideoXAttnProcessor2_0": _JOINT.format("CogVideoXAttnProcessor2_0"),
+    _AP + "FusedCogVideoXAttnProcessor2_0": _JOINT.format("FusedCogVideoXAttnProcessor2_0"),
+    _T + "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0": _JOINT.format("HunyuanVideoAttnProcessor2_0"),
+    _T + "transformer_easyanimate.EasyAnimateAttnProcessor2_0": _JOINT.format("EasyAnimateAttnProcessor2_0"),
+    _T + "transformer_motif_video.MotifVideoAttnProcessor2_0": _JOINT.format("MotifVideoAttnProcessor2_0"),
+    _AP + "AllegroAttnProcessor2_0": ("RoPE rotate-half within each t/h/w third of a head (AllegroAttnProcessor2_0): "
+                                      "no layout RoPE style serves it"),
+    _T + "transformer_sana_video.SanaLinearAttnProcessor3_0": "linear attention (SanaLinearAttnProcessor3_0), not "
+                                                             "softmax attention",
+    _AP + "AttnProcessor2_0": ("generic AttnProcessor2_0 (no RoPE; text refiners and spatial/temporal blocks pass "
+                               "masks through it): not served"),
+    _AP + "AttnProcessor": "generic AttnProcessor (no RoPE, may be given masks): not served",
+    _T + "transformer_ltx2.LTX2PerturbedAttnProcessor": ("LTX-2 perturbed attention (LTX2PerturbedAttnProcessor, "
+                                                         "perturbed_attn=True): not served"),
+}
+"""Stock processors known not to be servable, with the reason the report gives."""
+
+
+def _key(processor) -> str:
+  return f"{type(processor).__module__}.{type(processor).__qualname__}"
+
+
+def _stock_processor(module):
+  p = getattr(module, "processor", None)
+  return p.stock_processor if isinstance(p, _PackedSelfAttnProcessor) else p
+
+
+def _is_attention_module(module) -> bool:
+  """A diffusers attention module: one that runs through a processor (Attention,
+  AttentionModuleMixin classes, and the few, like MochiAttention, with only the attribute)."""
+  if not hasattr(module, "processor"):
+    return False
+  return callable(getattr(module, "set_processor", None)) or callable(module.processor)
+
+
+def _plan(name: str, module: nn.Module):
+  """(our processor class, None) for a servable module, else (None, reason)."""
+  stock = _stock_processor(module)
+  if getattr(module, "is_cross_attention", False):
+    return None, "cross-attention (keys from encoder_hidden_states): stays stock"
+  for attr in ("add_q_proj", "add_k_proj"):
+    if getattr(module, attr, None) is not None:
+      return None, f"joint text+video attention ({attr}): not supported yet"
+  cls = SERVED.get(_key(stock))
+  if cls is None:
+    return None, KNOWN_REFUSALS.get(_key(stock), f"stock processor {type(stock).__name__}: packed attention does not "
+                                                 "know how this model calls it (RoPE format, masks, joined tokens)")
   try:
-    from diffusers.models.transformers.transformer_wan import WanAttention
-  except ImportError:  # pragma: no cover - an older diffusers
-    WanAttention = None
-  try:
-    from diffusers.models.transformers.transformer_ltx import LTXAttention
-  except ImportError:  # pragma: no cover
-    LTXAttention = None
+    cls.check_module(module, name)
+  except _Refused as e:
+    return None, str(e)
+  return cls, None
+
+
+def attention_report(transformer) -> InstallReport:
+  """What ``use_packed_attention`` would do to each attention module, without
+  installing anything (same ``InstallReport``)."""
+  report = InstallReport()
   for name, module in transformer.named_modules():
-    if WanAttention is not None and isinstance(module, WanAttention):
-      if not module.is_cross_attention and getattr(module, "add_k_proj", None) is None:
-        found.append((name, module, PackedWanAttnProcessor))
-    elif LTXAttention is not None and isinstance(module, LTXAttention) and name.endswith("attn1"):
-      found.append((name, module, PackedLTXAttnProcessor))
-  return found
+    if _is_attention_module(module):
+      cls, reason = _plan(name, module)
+      report.add(name, module, INSTALLED if cls is not None else reason)
+  return report
 
 
 def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, storage: KVStorage | None = None,
-                         interpret: bool | None = None) -> list[str]:
-  """Install packed attention on every video self-attention of a diffusers transformer.
+                         interpret: bool | None = None) -> InstallReport:
+  """Install packed attention on every self-attention of a diffusers transformer that it
+  can serve (this module's docstring says which and how they are recognised).
 
   attention: ``Dense(...)`` (default) or ``Sol(...)`` (``pallas_kernels``).
   storage: a ``formats.KVStorage`` (None: every block int4), e.g.
   ``KVStorage(token_ranges=[(0, 4096, "int8")])`` for an int8 prefix; its token ranges
   fit any sequence length. The settings are checked here, before anything is installed.
-  Returns the names of the modules now on packed attention (also logged); raises
-  ValueError for a transformer with none (the supported classes are listed in this
-  module's docstring).
+
+  Returns an ``InstallReport`` (a dict: module name -> ``"installed"`` or the reason it
+  stays stock; ``.installed`` lists the names now on packed attention), also logged at
+  INFO on the ``torch_bridge.diffusers`` logger. Raises ValueError when no module can be
+  served, naming the reason for each kind of attention module seen. Calling it again
+  (after ``.to(...)``, or with other settings) reinstalls.
   """
   if not isinstance(transformer, nn.Module):
     raise ValueError(f"use_packed_attention expects a diffusers transformer (a torch nn.Module such as "
                      f"WanTransformer3DModel), got {type(transformer).__name__}")
   attention, storage = as_attention(attention), as_storage(storage)
-  found = _self_attention_modules(transformer)
-  if not found:
-    raise ValueError(f"{type(transformer).__name__} has no attention module packed attention supports; it "
-                     "supports WanTransformer3DModel and LTXVideoTransformer3DModel (self-attention attn1)")
-  for name, module, cls in found:
-    module.set_processor(cls(module, attention=attention, storage=storage, interpret=interpret))
-    log.info("use_packed_attention: %s on %s", name, cls.__name__)
-  return [name for name, _, _ in found]
+  report = attention_report(transformer)
+  if not report.installed:
+    if not report:
+      raise ValueError(f"{type(transformer).__name__} has no diffusers attention module (one with a processor); "
+                       "packed attention serves the self-attention of: "
+                       + ", ".join(sorted({c.family for c in SERVED.values()})))
+    seen = "; ".join(f"{kind} x{len(names)}: {reason}" for (kind, reason), names in report.grouped().items())
+    raise ValueError(f"{type(transformer).__name__} has no attention module packed attention can serve ({seen})")
+  modules = dict(transformer.named_modules())
+  for name in report.installed:
+    module = modules[name]
+    cls = SERVED[_key(_stock_processor(module))]
+    module.set_processor(cls(module, attention=attention, storage=storage, interpret=interpret,
+                             stock=_stock_processor(module)))
+  for name, outcome in report.items():
+    log.info("use_packed_attention: %s (%s): %s", name or "<root>", report.kinds[name],
+             f"installed {type(modules[name].processor).__name__}" if outcome == INSTALLED else outcome)
+  return report
+
+
+def restore_stock_attention(transformer) -> list[str]:
+  """Put the stock processor back on every module ``use_packed_attention`` installed
+  ours on; returns their names. The q/k/v weights stay views of one fused matrix."""
+  restored = []
+  for name, module in transformer.named_modules():
+    if _is_attention_module(module) and isinstance(module.processor, _PackedSelfAttnProcessor):
+      module.set_processor(module.processor.stock_processor)
+      restored.append(name)
+  return restored
