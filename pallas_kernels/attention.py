@@ -44,7 +44,7 @@ from formats.reference import attention_lse_f32
 from pallas_kernels.attention_config import DENSE_METHODS as METHODS
 from pallas_kernels.attention_config import Dense
 from pallas_kernels.attention_fused import fused_attention
-from pallas_kernels.backend import on_gpu, resolve_interpret, resolve_sm_scale
+from pallas_kernels.backend import on_gpu, over_chunks, resolve_interpret, resolve_sm_scale
 from pallas_kernels.kv_dequant import dequantize_group
 
 __all__ = ["Dense", "METHODS", "StreamedPlan", "packed_attention", "packed_attention_lse",
@@ -250,18 +250,9 @@ def _streamed(q, packed, out, kv_lengths, *, sm_scale, keep_rotated, overwrite_q
         og = jnp.where((kv_lengths > 0)[:, None, None, None], og, 0)
       return lax.dynamic_update_slice(target, og.astype(jnp.bfloat16), (0, r0, h0, 0))
 
-    n_full, tail = divmod(tq, plan.q_rows)
-    if n_full:
-      target = lax.fori_loop(0, n_full, lambda i, t: attend_rows(i * plan.q_rows, plan.q_rows, t), target)
-    if tail:
-      target = attend_rows(n_full * plan.q_rows, tail, target)
-    return target
+    return over_chunks(tq, plan.q_rows, attend_rows, target)
 
-  n_groups, rem = divmod(h, plan.group)
-  target = lax.fori_loop(0, n_groups, lambda i, t: attend_group(i * plan.group, plan.group, t), target)
-  if rem:
-    target = attend_group(n_groups * plan.group, rem, target)
-  return target
+  return over_chunks(h, plan.group, attend_group, target)
 
 
 _STREAMED_STATIC = ("sm_scale", "keep_rotated", "overwrite_q", "plan", "interpret", "implementation")

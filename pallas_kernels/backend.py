@@ -115,11 +115,30 @@ def int8_to_bf16(codes):
   return (lax.bitcast_convert_type(word, jnp.float32) - 8388608.0).astype(jnp.bfloat16)
 
 
+def int8_codes(x, amax):
+  """int8 codes of ``x`` against a per-row ``amax`` (its absmax, (rows,)), rounded half
+  away from zero; an all-zero row gets codes 0. Kernels that see a row in pieces (the
+  decoder's channel halves) take the absmax over the pieces and call this per piece."""
+  inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+  c = x * inv[..., None]
+  return jnp.where(c >= 0, c + 0.5, c - 0.5).astype(jnp.int32).astype(jnp.int8)
+
+
 def quantize_rows_int8(x):
   """(rows, D) f32 -> (int8 codes, (rows,) f32 scales = absmax / 127), codes rounded half
   away from zero; an all-zero row gets scale 0. The one rule for 8-bit Q and K: Sol's
   kernel applies it to its Q tile, ``kv_dequant`` (``store="int8_k"``) to K."""
   amax = jnp.abs(x).max(-1)
-  inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
-  c = x * inv[..., None]
-  return jnp.where(c >= 0, c + 0.5, c - 0.5).astype(jnp.int32).astype(jnp.int8), amax * (1.0 / 127.0)
+  return int8_codes(x, amax), amax * (1.0 / 127.0)
+
+
+def over_chunks(total: int, size: int, fn, carry):
+  """``fn(start, n, carry)`` over [0, total) in chunks of ``size``: the whole chunks in
+  one ``lax.fori_loop`` (one compiled body, so XLA holds one chunk's scratch at a time),
+  then the remainder once. The streamed methods' loop over head groups and row chunks."""
+  n, rem = divmod(total, size)
+  if n:
+    carry = lax.fori_loop(0, n, lambda i, c: fn(i * size, size, c), carry)
+  if rem:
+    carry = fn(n * size, rem, carry)
+  return carry

@@ -47,8 +47,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import (INT4_OFFSET, NamedInputs, int4_halves, int8_to_bf16, quantize_rows_int8,
-                                    unrotate_halves)
+from pallas_kernels.backend import (INT4_OFFSET, NamedInputs, int4_halves, int8_codes, int8_to_bf16,
+                                    quantize_rows_int8, unrotate_halves)
 
 BLOCK = fmt.BLOCK
 
@@ -135,13 +135,10 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, s
       def _(cls=cls, role=role):
         lo, hi = decoded(role, cls)
         if role == "k" and store == "int8_k":
-          # Triton cannot slice a loaded value, so the row absmax of quantize_k_int8
-          # is taken over the two halves.
+          # quantize_rows_int8 over the two halves (Triton cannot slice a loaded value).
           lo, hi = lo - r["center"][h, lo_c][None, :], hi - r["center"][h, hi_c][None, :]
           amax = jnp.maximum(jnp.abs(lo).max(-1), jnp.abs(hi).max(-1))
-          inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)[:, None]
-          code = lambda x: jnp.where(x >= 0, x + 0.5, x - 0.5).astype(jnp.int32).astype(jnp.int8)
-          write(r["k_out"], code(lo * inv), code(hi * inv))
+          write(r["k_out"], int8_codes(lo, amax), int8_codes(hi, amax))
           r["k_scale_out"][out_rows] = jnp.where(valid, amax * (1.0 / 127.0), 0.0)
           return
         if role == "v" and unrotate_v:

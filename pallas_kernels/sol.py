@@ -102,7 +102,7 @@ from jax import lax
 from formats import packed_kv as fmt
 from pallas_kernels import sol_decoded
 from pallas_kernels.attention_config import Sol
-from pallas_kernels.backend import LOG2E, resolve_interpret
+from pallas_kernels.backend import LOG2E, over_chunks, resolve_interpret
 from pallas_kernels.kv_dequant import dequantize_group
 from pallas_kernels.sol_fused import fused_sol
 from pallas_kernels.sol_reference import sol_attention_reference, sol_exact_blocks_reference
@@ -110,10 +110,9 @@ from pallas_kernels.sol_routing import (BLOCK, SolPlan, SolRouting, _routing_imp
                                         make_plan, normalize_key_bias, routing_nbytes, routing_workspace_bytes,
                                         sol_routing, topk_count)
 
-__all__ = ["Sol", "SolRouting", "resolve_method", "routing_nbytes", "sol_attention", "sol_attention_reference",
-           "sol_exact_blocks_reference", "sol_routing", "streamed_group", "streamed_head_bytes", "topk_count",
-           "default_max_exact", "routing_workspace_bytes",
-           "auto_order"]
+__all__ = ["Sol", "SolRouting", "auto_order", "default_max_exact", "resolve_method", "routing_nbytes",
+           "routing_workspace_bytes", "sol_attention", "sol_attention_reference", "sol_exact_blocks_reference",
+           "sol_routing", "streamed_group", "streamed_head_bytes", "topk_count"]
 
 log = logging.getLogger(__name__)
 # The streamed methods and the Q.K precision of their kernel.
@@ -181,11 +180,7 @@ def _sol_streamed(q, packed, routing, key_bias, block_len, plan: SolPlan, *, kee
                                      lengths, cfg, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     return lax.dynamic_update_slice(out, og, (0, 0, h0, 0))
 
-  n, rem = divmod(h, group)
-  out = lax.fori_loop(0, n, lambda i, o: attend(i * group, group, o), out)
-  if rem:
-    out = attend(n * group, rem, out)
-  return out
+  return over_chunks(h, group, attend, out)
 
 
 def _sol_call(q, packed, routing, key_bias, block_len, *, plan, keep_rotated, interpret, num_warps, num_stages,

@@ -111,7 +111,8 @@ def _kernel(*refs, names, cfg: LoopConfig):
       keys = blk * BLOCK + ar
       s = s + plgpu.load(r["kb"].at[rows], mask=keys < cfg.num_tokens, other=0.0)[None, :]
     if masked:
-      s = jnp.where(jnp.broadcast_to((ar < live_rows(blk))[None, :], (BLOCK, BLOCK)), s, -jnp.inf)
+      live = ar < live_rows(blk)
+      s = jnp.where(jnp.broadcast_to(live[None, :], (BLOCK, BLOCK)), s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
@@ -119,8 +120,7 @@ def _kernel(*refs, names, cfg: LoopConfig):
     if cfg.has_block_len:
       # The caller's dead rows inside T are whatever the projection wrote there; their P
       # is 0, but 0 * NaN is not, so they are read as zeros (rows past T are zeros).
-      v = plgpu.load(v_ref.at[rows, :], mask=jnp.broadcast_to((ar < live_rows(blk))[:, None], (BLOCK, cfg.head_dim)),
-                     other=0.0)
+      v = plgpu.load(v_ref.at[rows, :], mask=jnp.broadcast_to(live[:, None], (BLOCK, cfg.head_dim)), other=0.0)
     else:
       v = v_ref[rows, :]
     acc = acc * alpha[:, None] + _dot(p.astype(jnp.bfloat16), v)
