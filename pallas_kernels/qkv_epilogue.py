@@ -77,14 +77,6 @@ def rotated_qkv_reference(y, bias, *, layout: QKVLayout, q_norm_weight=None, k_n
   return qk_epilogue(q, q_norm_weight), qk_epilogue(k, k_norm_weight), jnp.dot(v, r_v, precision=hi)
 
 
-def epilogue_reference(y, bias, meta: fmt.PackedKVMeta, **kw):
-  """(Q bf16, PackedKV) from the f32 projection ``y`` (B, T, 3HD): what this kernel
-  writes, over all chunks together. ``kw``: ``rotated_qkv_reference``'s keywords."""
-  q, k, v = rotated_qkv_reference(y, bias, rotation_seed_k=meta.rotation_seed_k,
-                                  rotation_seed_v=meta.rotation_seed_v, **kw)
-  return q.astype(jnp.bfloat16), fmt.quantize_reference(k, v, meta)
-
-
 def across_head_mean_squares(y, bias, layout: QKVLayout):
   """(2, rows) f32: each row's mean square over the q and over the k columns of the
   projection ``y`` (rows, 3HD), bias included: the norm across heads' statistic."""
@@ -106,6 +98,7 @@ class _Config:
   v_scheme: str
   quadrants: tuple
   present: tuple        # the classes that have blocks (each gets a store branch)
+  added_from: int | None = None   # joint attention: the first token of the added part
 
 
 def _kernel(*refs, names, cfg: _Config):
@@ -121,13 +114,16 @@ def _kernel(*refs, names, cfg: _Config):
   m = valid[:, None]
   rows = pl.ds(row0, BLOCK)
   out = lambda name: _AtRow(r[name + "_out"], bi)  # this batch row's (head's) buffer
+  # Joint attention: rows from added_from on are the added tokens, with their own bias
+  # and norm weights (a block may hold both kinds).
+  added_rows = None if cfg.added_from is None else (row0 + jnp.arange(BLOCK)) >= cfg.added_from
 
   def projected(role):
     col = (("q", "k", "v").index(role) * lay.heads + h) * d
     y = r["y"]
     lo = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col, dh)], mask=m, other=0.0).astype(jnp.float32)
     hi = plgpu.load(y.at[pl.ds(yrow, BLOCK), pl.ds(col + dh, dh)], mask=m, other=0.0).astype(jnp.float32)
-    return add_bias(lo, hi, r.get("bias_" + role), dh)
+    return add_bias(lo, hi, r.get("bias_" + role), dh, added_ref=r.get("added_bias_" + role), added_rows=added_rows)
 
   def qk(role, norm):
     lo, hi = projected(role)
@@ -135,7 +131,8 @@ def _kernel(*refs, names, cfg: _Config):
     if lay.norm == "across":
       ms = plgpu.load(r["ms_" + role].at[pl.ds(yrow, BLOCK)], mask=valid, other=1.0)
     lo, hi = norm_rope(lo, hi, r[norm], r["cos"], r["sin"], r["p_mat"], row0, BLOCK, valid, dh=dh,
-                       layout=lay, quadrants=cfg.quadrants, mean_square=ms, head=h)
+                       layout=lay, quadrants=cfg.quadrants, mean_square=ms, head=h,
+                       added_nw_ref=r.get("added_" + norm), added_rows=added_rows)
     return rotate(lo, hi, r["h_half"], r["signs_k"], dh=dh)
 
   lo, hi = qk("q", "q_norm")
@@ -221,7 +218,8 @@ def empty_buffers(meta, *, interpret: bool) -> dict:
 
 
 def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: EpilogueConstants, meta, *,
-                  interpret: bool, num_warps: int = 4, num_stages: int = 1):
+                  interpret: bool, num_warps: int = 4, num_stages: int = 1, added_from: int | None = None,
+                  added_bias=None):
   """Run the epilogue of one chunk into ``buffers`` (aliased) and return them.
 
   y: (rows, 3HD) f32 (or bf16), rows a multiple of 64: the projection of tokens
@@ -229,7 +227,8 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   writes tokens ``[row0, row0 + rows)`` below T (row0 a multiple of 64; the y rows of
   token ``row0 + i`` is ``shift + i``). row0, shift, batch_index: int32 scalars,
   static or traced. buffers: a dict with every name of ``buffer_names(meta)``: Q
-  (B, T, H, D) bf16 and the PackedKV arrays.
+  (B, T, H, D) bf16 and the PackedKV arrays. Joint attention: tokens from ``added_from``
+  (static) on take ``added_bias`` and ``consts``' added norm weights.
   """
   rows, width = y.shape
   h, d = meta.heads, meta.head_dim
@@ -238,7 +237,9 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   shapes = _buffer_shapes(meta)
   cfg = _Config(t=meta.num_tokens, layout=consts.layout, k_scheme=meta.k_scheme,
                 v_scheme=meta.v_scheme, quadrants=consts.quadrants,
-                present=tuple(c for c in fmt.CLASSES if meta.slots(c)))
+                present=tuple(c for c in fmt.CLASSES if meta.slots(c)), added_from=added_from)
+  if added_from is not None and (bias is None) != (added_bias is None):   # one part without a bias: zeros
+    bias, added_bias = (jnp.zeros((width,), jnp.float32) if b is None else b for b in (bias, added_bias))
 
   inputs = NamedInputs()
   inputs.add_whole("pos", jnp.stack([jnp.asarray(v, jnp.int32) for v in (row0, shift, batch_index)]))
@@ -247,15 +248,22 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
   inputs.add_whole("y", y)
   if consts.layout.norm == "across":
     ms = across_head_mean_squares(y, bias, consts.layout)
+    if added_from is not None and added_bias is not None:
+      tokens = jnp.asarray(row0, jnp.int32) - jnp.asarray(shift, jnp.int32) + jnp.arange(rows)
+      ms = jnp.where(tokens >= added_from, across_head_mean_squares(y, added_bias, consts.layout), ms)
     inputs.add_whole("ms_q", ms[0])
     inputs.add_whole("ms_k", ms[1])
-  if bias is not None:
-    for i, role in enumerate("qkv"):
-      inputs.add("bias_" + role, bias, (d,), lambda hh, j, i=i: (i * h + hh,))
+  for prefix, b in (("", bias), ("added_", added_bias if added_from is not None else None)):
+    if b is not None:
+      for i, role in enumerate("qkv"):
+        inputs.add(prefix + "bias_" + role, b, (d,), lambda hh, j, i=i: (i * h + hh,))
   for name, x in (("q_norm", consts.q_norm), ("k_norm", consts.k_norm), ("cos", cos), ("sin", sin),
                   ("p_mat", consts.p_mat), ("h_half", consts.h_half), ("signs_k", consts.signs_k),
                   ("signs_v", consts.signs_v)):
     inputs.add_whole(name, x)
+  if added_from is not None and consts.added_q_norm is not None:
+    inputs.add_whole("added_q_norm", consts.added_q_norm)
+    inputs.add_whole("added_k_norm", consts.added_k_norm)
   out_names = buffer_names(meta)
   aliases = {}
   for k, name in enumerate(out_names):

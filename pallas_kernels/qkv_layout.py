@@ -147,3 +147,31 @@ class QKVWeights:
   @classmethod
   def tree_unflatten(cls, _, leaves):
     return cls(*leaves)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class AddedTokens:
+  """Tokens joined after the block's own, through their own projection: joint text+video
+  attention (diffusers' ``add_q_proj`` / ``add_k_proj`` / ``add_v_proj`` with
+  ``norm_added_q`` / ``norm_added_k``, as in HunyuanVideo's dual-stream blocks).
+
+  x: (B, T_added, hidden_added) bf16 (its width may differ from the block's x).
+  weights: a ``QKVWeights`` for them, in the same ``QKVLayout`` (heads, head_dim, norm
+  kind) as the block's own: w_qkv (hidden_added, 3*H*D), its bias or None, its norm
+  weights.
+
+  The projection writes one Q and one packed K/V over T + T_added tokens, the added
+  ones after the block's own, each token through its own weights (a 64-token block
+  may hold both kinds: the epilogue picks bias and norm weights per row); the RoPE
+  tables cover all T + T_added rows (cos 1, sin 0 where a token does not rotate).
+  """
+  x: object
+  weights: QKVWeights
+
+  def tree_flatten(self):
+    return (self.x, self.weights), None
+
+  @classmethod
+  def tree_unflatten(cls, _, leaves):
+    return cls(*leaves)

@@ -42,20 +42,25 @@ def load_halves(ref, dh, off=0):
 
 
 def norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, rows, valid, *, dh, layout, quadrants,
-              mean_square=None, head=0):
+              mean_square=None, head=0, added_nw_ref=None, added_rows=None):
   """The layout's QK norm, then its RoPE, on one head's halves.
 
   ``layout.norm``: ``head`` normalizes by this head's mean square; ``across`` by
   ``mean_square`` (rows,), the token's mean square over all heads, which the caller
   computes (no program sees every head), with this head's slice of the (H*D,) weight;
   ``none`` skips both. ``head`` (traced) picks the weight slice and, with
-  ``layout.rope_per_head``, the table columns.
+  ``layout.rope_per_head``, the table columns. ``added_nw_ref`` / ``added_rows`` (rows,)
+  bool: joint attention's second norm weight, taken by the rows that are added tokens.
   """
   d = 2 * dh
   if layout.norm != "none":
     ms = (jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / d if layout.norm == "head" else mean_square
     r = jax.lax.rsqrt(ms + layout.eps)[:, None]
-    w_lo, w_hi = load_halves(nw_ref, dh, head * d if layout.norm == "across" else 0)
+    off = head * d if layout.norm == "across" else 0
+    w_lo, w_hi = load_halves(nw_ref, dh, off)
+    if added_nw_ref is not None:
+      a_lo, a_hi = load_halves(added_nw_ref, dh, off)
+      w_lo, w_hi = (jnp.where(added_rows[:, None], a, w) for a, w in ((a_lo, w_lo), (a_hi, w_hi)))
     lo, hi = lo * r * w_lo, hi * r * w_hi
   if not quadrants:  # rot_dim == 0
     return lo, hi
@@ -89,10 +94,15 @@ def rotate(lo, hi, h_ref, sign_ref, *, dh):
           sign_dot(split_bf16(u_lo - u_hi), h_half) * scale)
 
 
-def add_bias(lo, hi, b_ref, dh, off=0):
+def add_bias(lo, hi, b_ref, dh, off=0, added_ref=None, added_rows=None):
+  """lo/hi + the bias halves; with ``added_ref``, the rows flagged in ``added_rows`` take
+  that bias instead (joint attention's added tokens)."""
   if b_ref is None:
     return lo, hi
   b_lo, b_hi = load_halves(b_ref, dh, off)
+  if added_ref is not None:
+    a_lo, a_hi = load_halves(added_ref, dh, off)
+    b_lo, b_hi = (jnp.where(added_rows[:, None], a, b) for a, b in ((a_lo, b_lo), (a_hi, b_hi)))
   return lo + b_lo, hi + b_hi
 
 
@@ -213,17 +223,24 @@ class EpilogueConstants:
   k_norm: jax.Array
   quadrants: tuple
   layout: object
+  added_q_norm: jax.Array | None = None
+  added_k_norm: jax.Array | None = None
 
 
-def epilogue_constants(layout, seed_k, seed_v, q_norm_weight, k_norm_weight):
+def epilogue_constants(layout, seed_k, seed_v, q_norm_weight, k_norm_weight, added_weights=None):
+  """``added_weights``: joint attention's ``QKVWeights`` of the added tokens, whose norm
+  weights (under a norm) ride along as ``added_q_norm`` / ``added_k_norm``."""
   d = layout.head_dim
   sk, sv = (jnp.asarray(fmt.hadamard_signs(d, seed)[:, 0]) for seed in (seed_k, seed_v))
   weight = lambda w: jnp.zeros((d,), jnp.float32) if w is None else jnp.asarray(w, jnp.float32)
+  added = {}
+  if added_weights is not None and layout.norm != "none":
+    added = dict(added_q_norm=weight(added_weights.q_norm_weight), added_k_norm=weight(added_weights.k_norm_weight))
   return EpilogueConstants(
       p_mat=jnp.asarray(rope.rope_partner_matrix(d, layout.rot_dim, layout.rope), jnp.bfloat16),
       h_half=jnp.asarray(fmt.sylvester(d // 2), jnp.bfloat16), signs_k=sk, signs_v=sv,
       q_norm=weight(q_norm_weight), k_norm=weight(k_norm_weight),
-      quadrants=rope_quadrants(d, layout.rot_dim, layout.rope), layout=layout)
+      quadrants=rope_quadrants(d, layout.rot_dim, layout.rope), layout=layout, **added)
 
 
 def class_array_names(cls):

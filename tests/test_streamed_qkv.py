@@ -20,7 +20,7 @@ from pallas_kernels import rope
 from formats import KVStorage
 from pallas_kernels.qkv_projection import (ProjectionTuning, chunk_rows, chunk_scratch_bytes, projected_qkv_f32,
                                            streamed_qkv, streamed_qkv_reference)
-from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
+from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
 
 
 def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias="f32", seed=0, norm="head",
@@ -54,9 +54,9 @@ def _unpacked_codes(packed, role, cls):
   return np.asarray(fmt.unpack_nibbles(jnp.asarray(codes))) if cls == "int4" else codes
 
 
-def check_against_reference(q, packed, x, weights, kw, storage=None):
+def check_against_reference(q, packed, x, weights, kw, storage=None, added=None):
   """Compare kernel outputs with streamed_qkv_reference; return the reference."""
-  q_ref, ref = streamed_qkv_reference(x, weights, **kw, storage=storage)
+  q_ref, ref = streamed_qkv_reference(x, weights, **kw, storage=storage, added=added)
   assert packed.meta == ref.meta
   fmt.check_packed(packed)
   # Everything written and finite (interpret mode NaN-fills outputs first).
@@ -94,7 +94,7 @@ def check_against_reference(q, packed, x, weights, kw, storage=None):
     np.testing.assert_allclose(a, r, rtol=2 ** -7, atol=1e-4 * np.abs(r).max(), err_msg=name)
 
   # Dequantized K/V: as close to the f32 rotated values as the reference's own.
-  _, k32, v32 = projected_qkv_f32(x, weights, **kw, storage=storage)
+  _, k32, v32 = projected_qkv_f32(x, weights, **kw, storage=storage, added=added)
   kd, vd = _dequantize(packed)
   kr, vr = _dequantize(ref)
   for name, got, want, full in (("k", kd, kr, k32), ("v", vd, vr, v32)):
@@ -132,6 +132,53 @@ def test_matches_reference(method, head_dim, rot_dim, k_scheme, v_scheme, bias, 
   assert q.shape == (2, 200, 2, head_dim) and q.dtype == jnp.bfloat16
   assert packed.meta.rotation_seed_k == 3 and packed.meta.rotation_seed_v == 4
   check_against_reference(q, packed, x, wt, kw, storage)
+
+
+JOINT = [
+    # (own tokens, added tokens, norm, own bias, added bias, rows a chunk, added width)
+    (150, 40, "head", "f32", "f32", 64, 96),      # boundary inside a block; chunks before, across, after it
+    (128, 70, "across", None, "bf16", 128, 64),   # boundary on a block edge; one part without a bias
+    (30, 20, "none", "f32", None, 256, 96),       # one chunk longer than the whole sequence
+]
+
+
+@pytest.mark.parametrize("t_own,t_added,norm,bias,bias_added,rows,hidden_added", JOINT)
+def test_joint_projection_matches_reference(t_own, t_added, norm, bias, bias_added, rows, hidden_added):
+  """Added tokens (joint text+video attention) through their own weights into the same
+  Q and packed K/V: each row's bias and norm weights are its own part's, including the
+  rows of the 64-token block that holds both parts."""
+  t = t_own + t_added
+  x, wt, kw = make_inputs(b=2, t=t, hidden=96, heads=2, head_dim=64, rot_dim=48, bias=bias, seed=41, norm=norm,
+                          rope_style="pairs")
+  xa, wa, _ = make_inputs(b=2, t=t_added, hidden=hidden_added, heads=2, head_dim=64, rot_dim=48, bias=bias_added,
+                          seed=42, norm=norm, rope_style="pairs")
+  wa = QKVWeights(wa.w_qkv * 2, wa.bias, *(None if w is None else w[::-1] + 0.5 for w in
+                                            (wa.q_norm_weight, wa.k_norm_weight)))
+  added = AddedTokens(xa, wa)
+  nb = -(-t // 64)
+  storage = KVStorage(block_classes=tuple((0, 1, 2)[i % 3] for i in range(nb)))
+  scratch = chunk_scratch_bytes(rows, 96, 6 * 64, hidden_added)
+  assert chunk_rows(t, 96, 6 * 64, scratch, hidden_added) == min(rows, -(-t // 64) * 64)
+  q, packed = streamed_qkv(x[:, :t_own], wt, **kw, storage=storage, added=added, interpret=True,
+                           method="chunked", scratch_bytes=scratch)
+  assert q.shape == (2, t, 2, 64) and packed.meta.num_tokens == t
+  check_against_reference(q, packed, x[:, :t_own], wt, kw, storage, added=added)
+  # The added rows are not the own weights' projection of anything: both parts matter.
+  q_own, _ = streamed_qkv_reference(x[:, :t_own], wt, layout=kw["layout"], rope_cos=kw["rope_cos"][:t_own],
+                                    rope_sin=kw["rope_sin"][:t_own])
+  np.testing.assert_array_equal(np.asarray(q[:, :t_own]).view(np.uint16) != 0, True)
+  assert cosine(np.asarray(q[:, :t_own], np.float32), np.asarray(q_own, np.float32)) > 0.9999
+  with pytest.raises(NotImplementedError, match="chunked method only"):
+    streamed_qkv(x[:, :t_own], wt, **kw, storage=storage, added=added, interpret=True, method="fused")
+  with pytest.raises(ValueError, match=r"rope_cos must be .* = \(%d, 64\)" % t):
+    streamed_qkv(x[:, :t_own], wt, **{**kw, "rope_cos": kw["rope_cos"][:t_own], "rope_sin": kw["rope_sin"][:t_own]},
+                 added=added, interpret=True)
+  with pytest.raises(ValueError, match="added.x has 1 batch rows, x has 2"):
+    streamed_qkv(x[:, :t_own], wt, **kw, added=AddedTokens(xa[:1], wa), interpret=True)
+  with pytest.raises(ValueError, match=r"added.weights.w_qkv must be \(hidden, 3\*H\*D\)"):
+    streamed_qkv(x[:, :t_own], wt, **kw, added=AddedTokens(xa, QKVWeights(wa.w_qkv[:, :64], wa.bias,
+                                                                          wa.q_norm_weight, wa.k_norm_weight)),
+                 interpret=True)
 
 
 LAYOUTS = [
