@@ -24,7 +24,7 @@ from formats import KVStorage
 from torch_bridge.diffusers import attention_report, restore_stock_attention, use_packed_attention
 
 FAMILIES = ("wan", "wan_vace", "chronoedit", "skyreels_v2", "helios", "ltx", "ltx2", "cosmos", "minimax_h3",
-            "kandinsky5")
+            "kandinsky5", "hunyuan_video")
 """Every family served, by the name ``tiny_transformer`` takes."""
 
 TARGET_MODULE_COS = {"bf16": 0.999, "int8": 0.999, "int4": 0.998}
@@ -120,6 +120,16 @@ def tiny_transformer(name: str, *, layers: int = 2, seed: int | None = None, tex
       for module in model.modules():
         if type(module).__name__ == "Kandinsky5Modulation":
           module.out_layer.weight.normal_(std=0.02)
+  elif name == "hunyuan_video":
+    model = diffusers.HunyuanVideoTransformer3DModel(**dict(dict(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=layers,
+        num_single_layers=layers, num_refiner_layers=1, mlp_ratio=1.0, patch_size=2, patch_size_t=1,
+        guidance_embeds=False, text_embed_dim=16, pooled_projection_dim=16, rope_axes_dim=(16, 24, 24)), **config))
+    # Text padded to text_tokens with its last 16 masked: the joint attention's key padding.
+    n_text = text_tokens
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, n_text, 16), pooled_projections=torch.randn(1, 16),
+                  encoder_attention_mask=(torch.arange(n_text) < n_text - 16)[None].long())
   else:
     raise ValueError(f"name must be one of {FAMILIES}, got {name!r}")
   return _as_loaded_in_bf16(model).eval(), _bf16(inputs)
@@ -153,15 +163,23 @@ def _f32(x):
   return _tree(x, lambda t: t.float() if t.is_floating_point() else t)
 
 
-def _out_bias(module) -> torch.Tensor | float:
-  """The bias of the module's output projection (0 without one)."""
-  to_out = getattr(module, "to_out", None)
-  lin = to_out[0] if to_out is not None else getattr(module, "out_layer", None)
+def _out_bias(module, which: int = 0) -> torch.Tensor | float:
+  """The bias of the module's output projection (0 without one); ``which=1``: the added
+  (text) tokens' output projection of joint attention."""
+  if which == 1:
+    lin = getattr(module, "to_add_out", None)
+  else:
+    to_out = getattr(module, "to_out", None)
+    lin = to_out[0] if to_out is not None else getattr(module, "out_layer", None)
   bias = getattr(lin, "bias", None)
   return 0.0 if bias is None else bias.detach().float()
 
 
-def _attention_part(module, out: torch.Tensor) -> np.ndarray:
+def _attention_part(module, out) -> np.ndarray:
+  """The module's output less its output biases, as one array (joint attention's
+  (video, text) pair joined along the tokens)."""
+  if isinstance(out, tuple):
+    return np.concatenate([(o.float() - _out_bias(module, i)).numpy() for i, o in enumerate(out)], axis=1)
   return (out.float() - _out_bias(module)).numpy()
 
 
@@ -173,7 +191,7 @@ class ZeroAttnProcessor:
     self.stock_processor = stock
 
   def __call__(self, attn, *args, **kwargs):
-    return torch.zeros_like(self.stock_processor(attn, *args, **kwargs))
+    return _tree(self.stock_processor(attn, *args, **kwargs), torch.zeros_like)
 
 
 def install_zero_attention(model, storage=None) -> None:
@@ -219,7 +237,7 @@ def module_parity(name: str, classes=("int8", "int4"), *, install=None, model=No
     def hook(module, args, kwargs, output):
       if mod_name not in seen:   # the first call (a module may run more than once)
         clone = lambda t: t.detach().clone()
-        seen[mod_name] = (_tree(args, clone), _tree(kwargs, clone), output.detach().clone())
+        seen[mod_name] = (_tree(args, clone), _tree(kwargs, clone), _tree(output, clone))
     return hook
 
   hooks = [modules[n].register_forward_hook(keep(n), with_kwargs=True) for n in report.installed]

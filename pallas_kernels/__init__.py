@@ -4,6 +4,7 @@ The public JAX API (each function's docstring gives shapes and dtypes):
 
 * ``QKVLayout``: how a block makes q and k (heads, QK norm, RoPE style); ``QKVLayout.h3``.
 * ``QKVWeights``: the projection's arrays (w_qkv, bias, QK-norm weights) as one value.
+* ``AddedTokens``: joint text+video attention's added tokens and their own ``QKVWeights``.
 * ``streamed_qkv``: x @ W_qkv -> (Q bf16 rotated, ``formats.PackedKV``), never the full QKV.
 * ``Dense`` / ``Sol``: attention settings as values (method, scratch, tiles; Sol's routing).
 * ``packed_attention``: dense attention of Q over a PackedKV (streamed cuDNN or fused).
@@ -23,13 +24,13 @@ from pallas_kernels.attention import (packed_attention, packed_attention_lse, pa
                                       segment_ids_from_cu_seqlens)
 from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense, Sol
 from pallas_kernels.layer import attention_layer, required_bytes
-from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
+from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
 from pallas_kernels.qkv_projection import ProjectionTuning, streamed_qkv, streamed_qkv_reference
 from pallas_kernels.sol import sol_attention, sol_attention_reference
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["DEFAULT_SCRATCH_BYTES", "Dense", "ProjectionTuning", "QKVLayout", "QKVWeights", "Sol", "attention_layer",
+__all__ = ["AddedTokens", "DEFAULT_SCRATCH_BYTES", "Dense", "ProjectionTuning", "QKVLayout", "QKVWeights", "Sol", "attention_layer",
            "packed_attention", "packed_attention_lse", "packed_attention_reference", "required_bytes", "rope",
            "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference", "streamed_qkv",
            "streamed_qkv_reference"]

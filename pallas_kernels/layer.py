@@ -21,7 +21,7 @@ from pallas_kernels import attention as dense
 from pallas_kernels import qkv_projection as sq
 from pallas_kernels import sol
 from pallas_kernels.attention_config import Dense, Sol, as_attention
-from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
+from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
 
 __all__ = ["attention_layer", "check_attention", "required_bytes"]
 
@@ -37,10 +37,11 @@ def check_attention(attention, masks) -> Dense | Sol:
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "meta", "attention", "interpret"))
-def _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, *, layout, meta, attention, interpret):
+def _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, added, *, layout, meta, attention,
+           interpret):
   storage = KVStorage.of(meta)
   q, packed = sq.streamed_qkv(x, weights, layout=layout, rope_cos=rope_cos, rope_sin=rope_sin, storage=storage,
-                              scratch_bytes=attention.scratch_bytes, interpret=interpret)
+                              added=added, scratch_bytes=attention.scratch_bytes, interpret=interpret)
   if isinstance(attention, Sol):
     return sol.sol_attention(q, packed, attention, overwrite_q=True, interpret=interpret)
   return dense.packed_attention(q, packed, attention, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
@@ -49,7 +50,7 @@ def _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, *, 
 
 def attention_layer(x, weights: QKVWeights, *, layout: QKVLayout, rope_cos, rope_sin, storage: KVStorage | None = None,
                     attention: Dense | Sol | None = None, segment_ids=None, kv_mask=None, kv_lengths=None,
-                    interpret=None):
+                    added: AddedTokens | None = None, interpret=None):
   """x (B, T, hidden) bf16 -> attention output (B, T, H, D) bf16, un-rotated.
 
   The projection arguments are ``streamed_qkv``'s (``weights`` a ``QKVWeights``,
@@ -59,15 +60,19 @@ def attention_layer(x, weights: QKVWeights, *, layout: QKVLayout, rope_cos, rope
   ``kv_mask`` (B, T) bool, ``kv_lengths`` (B,) int32). The config's ``scratch_bytes``
   bounds both the projection's and the attention's scratch (they never run at the
   same time). The caller's ``o_proj`` applies to the result reshaped to (B, T, H*D).
+
+  ``added``: an ``AddedTokens`` for joint text+video attention: its tokens follow x's
+  (T + T_added rows in the tables, the masks and the output; each part's output rows
+  go to its own output projection).
   """
   attention = check_attention(attention, (segment_ids, kv_mask, kv_lengths))
-  meta = sq.check_inputs(x, weights, layout, rope_cos, rope_sin, storage)
-  return _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, layout=layout, meta=meta,
+  meta = sq.check_inputs(x, weights, layout, rope_cos, rope_sin, storage, added)
+  return _layer(x, weights, rope_cos, rope_sin, segment_ids, kv_mask, kv_lengths, added, layout=layout, meta=meta,
                 attention=attention, interpret=interpret)
 
 
 def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 1, storage: KVStorage | None = None,
-                   attention: Dense | Sol | None = None) -> dict:
+                   attention: Dense | Sol | None = None, added_hidden: int | None = None) -> dict:
   """Device bytes the attention block needs above what the caller already holds (x,
   weights, RoPE tables), phase by phase, as the GPU path allocates them:
 
@@ -78,7 +83,9 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
   * ``o_proj``: the attention output (in Q's buffer) + ``o_proj``'s output
     (B, T, hidden) bf16, allocated by torch once the packed K/V is freed.
 
-  Returns every term and ``peak`` = the largest phase. Library workspaces (cuBLAS,
+  Joint attention: ``tokens`` counts both parts and ``added_hidden`` is the added
+  tokens' width (their rows in the projection's chunk). Returns every term and ``peak``
+  = the largest phase. Library workspaces (cuBLAS,
   cuDNN) and the CUDA context are not in it; ``benchmarks/card_budget.py`` measures
   how far the device-level peak sits from it.
   """
@@ -93,8 +100,8 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
   q = batch * tokens * heads * head_dim * 2
   packed = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in fmt.buffer_specs(meta).values())
   width = layout.width
-  rows = sq.chunk_rows(tokens, hidden, width, attention.scratch_bytes)
-  projection = sq.chunk_scratch_bytes(rows, hidden, width) if rows >= fmt.BLOCK else 0
+  rows = sq.chunk_rows(tokens, hidden, width, attention.scratch_bytes, added_hidden)
+  projection = sq.chunk_scratch_bytes(rows, hidden, width, added_hidden) if rows >= fmt.BLOCK else 0
   if isinstance(attention, Dense):
     plan = dense.streamed_plan(batch, tokens, tokens, heads, head_dim, attention.scratch_bytes)
     attn = 0 if plan is None else plan.scratch

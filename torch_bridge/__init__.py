@@ -48,12 +48,12 @@ from torch_bridge.ops import (attention_layer, packed_attention, required_bytes,
 from torch_bridge.attention_module import PackedAttention, PackedH3Attention, ReferenceH3Attention  # noqa: E402
 from formats.storage import KVStorage  # noqa: E402
 from pallas_kernels.attention_config import Dense, Sol  # noqa: E402
-from pallas_kernels.qkv_layout import QKVLayout, QKVWeights  # noqa: E402
+from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights  # noqa: E402
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["allocator_status", "check_allocator", "BridgeError", "to_jax", "to_torch", "TorchPackedKV",
            "meta_from_json", "meta_from_tensor", "meta_to_json", "meta_to_tensor", "torch_buffer_specs",
            "attention_layer", "packed_attention", "required_bytes", "segment_ids_from_cu_seqlens", "sol_attention",
-           "streamed_qkv", "Dense", "KVStorage", "PackedAttention", "PackedH3Attention", "QKVLayout", "QKVWeights",
-           "ReferenceH3Attention", "Sol"]
+           "streamed_qkv", "AddedTokens", "Dense", "KVStorage", "PackedAttention", "PackedH3Attention", "QKVLayout",
+           "QKVWeights", "ReferenceH3Attention", "Sol"]

@@ -82,7 +82,7 @@ from torch import nn
 from formats.packed_kv import check_head_dim
 from formats.storage import KVStorage, as_storage
 from pallas_kernels.attention_config import Dense, Sol, as_attention
-from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
+from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
 from torch_bridge import dlpack
 from torch_bridge.ops import attention_layer, settings_json
 
@@ -322,25 +322,33 @@ class _PackedSelfAttnProcessor:
     width = self.heads * self.head_dim if self.rope_per_head else self.head_dim
     return (torch.ones(t, width, device=device), torch.zeros(t, width, device=device), self.head_dim)
 
-  def attend(self, attn, hidden_states, rotary_emb):
-    if hidden_states.dtype != torch.bfloat16 or self.w_qkv.dtype != torch.bfloat16:
+  def check_weights(self, attn, hidden_states, q_attr: str, w_qkv):
+    """Our fused weights are still the module's (not moved or cast since install)."""
+    if hidden_states.dtype != torch.bfloat16 or w_qkv.dtype != torch.bfloat16:
       raise dlpack.BridgeError(f"packed attention runs on bfloat16 (hidden states are {hidden_states.dtype}, "
-                               f"weights {self.w_qkv.dtype}); cast the transformer with .to(torch.bfloat16) "
+                               f"weights {w_qkv.dtype}); cast the transformer with .to(torch.bfloat16) "
                                "before use_packed_attention")
-    q_lin = getattr(attn, self.attrs["q"])
-    if self.w_qkv.device != hidden_states.device or q_lin.weight.data_ptr() != self.w_qkv.data_ptr():
+    q_lin = getattr(attn, q_attr)
+    if w_qkv.device != hidden_states.device or q_lin.weight.data_ptr() != w_qkv.data_ptr():
       raise dlpack.BridgeError("the transformer was moved or cast after use_packed_attention, so this processor's "
                                "fused weights are stale; call use_packed_attention again after .to(...)")
+
+  def run_layer(self, x, cos, sin, rot_dim, *, added: AddedTokens | None = None, kv_lengths=None):
+    """The one op call: (B, T [+ T_added], H*D) bf16 attention output."""
+    layout, storage, attention = self.settings(rot_dim)
+    o = attention_layer(x.contiguous(), QKVWeights(self.w_qkv, self.bias, self.q_norm, self.k_norm),
+                        layout=layout, rope_cos=cos.contiguous(), rope_sin=sin.contiguous(), storage=storage,
+                        attention=attention, kv_lengths=kv_lengths, added=added, interpret=self.interpret)
+    return o.flatten(2, 3)
+
+  def attend(self, attn, hidden_states, rotary_emb):
+    self.check_weights(attn, hidden_states, self.attrs["q"], self.w_qkv)
     b, t, _ = hidden_states.shape
     if rotary_emb is None:   # the stock processor then applies no RoPE
       cos, sin, rot_dim = self._identity_tables(t, hidden_states.device)
     else:
       cos, sin, rot_dim = self.tables(rotary_emb, t)
-    layout, storage, attention = self.settings(rot_dim)
-    o = attention_layer(hidden_states.contiguous(), QKVWeights(self.w_qkv, self.bias, self.q_norm, self.k_norm),
-                        layout=layout, rope_cos=cos.contiguous(), rope_sin=sin.contiguous(), storage=storage,
-                        attention=attention, interpret=self.interpret)
-    return self.output(attn, o.flatten(2, 3), hidden_states)
+    return self.output(attn, self.run_layer(hidden_states, cos, sin, rot_dim), hidden_states)
 
 
 def _same_rows(table: torch.Tensor, name: str) -> torch.Tensor:
@@ -555,6 +563,106 @@ class PackedLTX2AttnProcessor(_PackedSelfAttnProcessor):
     return self.attend(attn, hidden_states, query_rotary_emb)
 
 
+def _trailing_key_lengths(mask: torch.Tensor, n: int) -> torch.Tensor | None:
+  """A key-padding mask (B, 1, 1, N) or (B, N) bool, True = attend, as (B,) int32 key
+  counts, or None when every key is kept. Only trailing padding has this form (what
+  HunyuanVideo's text padding is); anything else raises, naming the fix."""
+  if mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[-1] != n or (
+      mask.dim() == 4 and tuple(mask.shape[1:3]) != (1, 1)):
+    raise NotImplementedError(f"attention_mask {mask.dtype}{list(mask.shape)} is not a boolean key-padding mask "
+                              f"(B, 1, 1, {n}); packed attention takes trailing key padding only: call "
+                              "restore_stock_attention(transformer) to run this model")
+  keep = mask.reshape(mask.shape[0], n)
+  lengths = keep.sum(1, dtype=torch.int32)
+  if bool((lengths == n).all()):
+    return None
+  if not torch.equal(keep, torch.arange(n, device=mask.device)[None, :] < lengths[:, None]):
+    raise NotImplementedError("attention_mask masks keys that are not trailing padding; packed attention takes "
+                              "trailing key padding only: call restore_stock_attention(transformer) to run this "
+                              "model")
+  return lengths
+
+
+class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
+  """HunyuanVideo's joint text+video attention (``Attention`` with
+  ``HunyuanVideoAttnProcessor2_0``) on packed K/V: one attention over the video tokens
+  and the text tokens after them.
+
+  * Dual-stream blocks (``add_q_proj``): the video tokens through ``to_q/to_k/to_v`` and
+    ``norm_q/norm_k``, the text tokens through ``add_q_proj``... and
+    ``norm_added_q/norm_added_k``, into one packed K/V (``AddedTokens``); outputs
+    through ``to_out`` and ``to_add_out``.
+  * Single-stream blocks (no ``add_q_proj``): video and text joined and projected by
+    the one ``to_q/to_k/to_v``; the output is split back, as stock, with no projection.
+
+  RoPE on the video tokens only (pairs, ``image_rotary_emb`` (S, D) cos and sin); the
+  text's key padding (``attention_mask`` (B, 1, 1, N), True = attend) becomes key
+  lengths per batch row (dense attention only; Sol takes no mask).
+  """
+
+  family = "HunyuanVideo"
+  joint = True   # serves modules with added (text) projections
+  added_attrs = dict(q="add_q_proj", k="add_k_proj", v="add_v_proj", norm_q="norm_added_q",
+                     norm_k="norm_added_k", heads="heads")
+
+  def __init__(self, attn, **kw):
+    super().__init__(attn, **kw)
+    self.added = None
+    if getattr(attn, "add_q_proj", None) is not None:
+      spec = _module_spec(attn, self.added_attrs, self.norm_input_dtype)
+      w, b = _fuse_projection([spec.q, spec.k, spec.v])
+      self.added = QKVWeights(w, b, spec.q_norm, spec.k_norm)
+
+  @classmethod
+  def check_module(cls, attn, name=None):
+    spec = super().check_module(attn, name)
+    if getattr(attn, "add_q_proj", None) is not None:
+      added = _module_spec(attn, cls.added_attrs, cls.norm_input_dtype)
+      if (added.heads, added.head_dim, added.norm, added.eps) != (spec.heads, spec.head_dim, spec.norm, spec.eps):
+        raise _Refused(f"the added (text) projections differ from the video ones in heads, head_dim or QK norm "
+                       f"({added.heads}x{added.head_dim} {added.norm} eps {added.eps} vs {spec.heads}x"
+                       f"{spec.head_dim} {spec.norm} eps {spec.eps}): not supported")
+    return spec
+
+  def tables(self, rotary_emb, t):
+    cos, sin = rotary_emb   # (S, D), repeat-interleaved pairs
+    d = self.head_dim
+    for name, tab in (("image_rotary_emb cos", cos), ("image_rotary_emb sin", sin)):
+      if tuple(tab.shape) != (t, d):
+        raise _table_shape_error(name, tab.shape, f"({t}, {d})")
+    return cos.float(), sin.float(), d
+
+  def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+    self.check_weights(attn, hidden_states, self.attrs["q"], self.w_qkv)
+    if encoder_hidden_states is None:
+      if attention_mask is not None:
+        self.check_self_attention(None, attention_mask)
+      return self.attend(attn, hidden_states, image_rotary_emb)
+    b, t_video, _ = hidden_states.shape
+    t_text = encoder_hidden_states.shape[1]
+    n = t_video + t_text
+    kv_lengths = None if attention_mask is None else _trailing_key_lengths(attention_mask, n)
+    if image_rotary_emb is None:
+      cos, sin, rot_dim = self._identity_tables(n, hidden_states.device)
+    else:   # RoPE on the video tokens; the text rows rotate by nothing (cos 1, sin 0)
+      cos, sin, rot_dim = self.tables(image_rotary_emb, t_video)
+      ident_cos, ident_sin, _ = self._identity_tables(t_text, hidden_states.device)
+      cos, sin = torch.cat([cos, ident_cos], 0), torch.cat([sin, ident_sin], 0)
+    if self.added is not None:
+      self.check_weights(attn, encoder_hidden_states, self.added_attrs["q"], self.added.w_qkv)
+      o = self.run_layer(hidden_states, cos, sin, rot_dim, kv_lengths=kv_lengths,
+                         added=AddedTokens(encoder_hidden_states.contiguous(), self.added))
+    else:
+      o = self.run_layer(torch.cat([hidden_states, encoder_hidden_states], 1), cos, sin, rot_dim,
+                         kv_lengths=kv_lengths)
+    video, text = o[:, :t_video], o[:, t_video:]
+    if getattr(attn, "to_out", None) is not None:
+      video = attn.to_out[1](attn.to_out[0](video))
+    if getattr(attn, "to_add_out", None) is not None:
+      text = attn.to_add_out(text)
+    return video, text
+
+
 # --------------------------------------------------------------------------------------
 # Which stock processor is which convention
 # --------------------------------------------------------------------------------------
@@ -571,6 +679,7 @@ SERVED = {
     _T + "transformer_kandinsky.Kandinsky5AttnProcessor": PackedKandinsky5AttnProcessor,
     _T + "transformer_ltx2.LTX2AudioVideoAttnProcessor": PackedLTX2AttnProcessor,
     _T + "transformer_helios.HeliosAttnProcessor": PackedHeliosAttnProcessor,
+    _T + "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0": PackedHunyuanVideoAttnProcessor,
 }
 """Stock processor (module.qualname) -> our processor for that calling convention."""
 
@@ -578,7 +687,6 @@ _JOINT = "joint text+video attention ({}: the text tokens join the video tokens'
 KNOWN_REFUSALS = {
     _AP + "CogVideoXAttnProcessor2_0": _JOINT.format("CogVideoXAttnProcessor2_0"),
     _AP + "FusedCogVideoXAttnProcessor2_0": _JOINT.format("FusedCogVideoXAttnProcessor2_0"),
-    _T + "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0": _JOINT.format("HunyuanVideoAttnProcessor2_0"),
     _T + "transformer_easyanimate.EasyAnimateAttnProcessor2_0": _JOINT.format("EasyAnimateAttnProcessor2_0"),
     _T + "transformer_motif_video.MotifVideoAttnProcessor2_0": _JOINT.format("MotifVideoAttnProcessor2_0"),
     _AP + "AllegroAttnProcessor2_0": ("RoPE rotate-half within each t/h/w third of a head (AllegroAttnProcessor2_0): "
@@ -616,10 +724,11 @@ def _plan(name: str, module: nn.Module):
   stock = _stock_processor(module)
   if getattr(module, "is_cross_attention", False):
     return None, "cross-attention (keys from encoder_hidden_states): stays stock"
-  for attr in ("add_q_proj", "add_k_proj"):
-    if getattr(module, attr, None) is not None:
-      return None, f"joint text+video attention ({attr}): not supported yet"
   cls = SERVED.get(_key(stock))
+  if not getattr(cls, "joint", False):
+    for attr in ("add_q_proj", "add_k_proj"):
+      if getattr(module, attr, None) is not None:
+        return None, f"joint text+video attention ({attr}) under {type(stock).__name__}: not supported yet"
   if cls is None:
     return None, KNOWN_REFUSALS.get(_key(stock), f"stock processor {type(stock).__name__}: packed attention does not "
                                                  "know how this model calls it (RoPE format, masks, joined tokens)")

@@ -23,9 +23,11 @@ Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)`
 * ``packed_kv::sol_attention(q, packed[16], num_tokens, storage, attention, key_bias?,
   block_len?, keep_rotated, interpret?) -> o``.
 * ``packed_kv::attention_layer(x, w_qkv, bias?, q_norm_weight?, k_norm_weight?, rope_cos,
-  rope_sin, layout, storage, attention, segment_ids?, kv_mask?, kv_lengths?, interpret?)
+  rope_sin, layout, storage, attention, segment_ids?, kv_mask?, kv_lengths?, added_x?,
+  added_w_qkv?, added_bias?, added_q_norm_weight?, added_k_norm_weight?, interpret?)
   -> o``: projection and attention in one JAX call, the output over Q
-  (``pallas_kernels.layer``).
+  (``pallas_kernels.layer``); the ``added_*`` tensors are joint attention's added tokens
+  and their projection (``AddedTokens``).
 
 Every tensor crosses through ``torch_bridge.dlpack`` (zero copy, pointer-checked,
 stream-ordered; outputs are freed the moment torch drops them; read that module's
@@ -55,7 +57,7 @@ from pallas_kernels import layer as jlayer
 from pallas_kernels import sol as jsol
 from pallas_kernels import qkv_projection as jqkv
 from pallas_kernels.attention_config import DEFAULT_SCRATCH_BYTES, Dense, Sol, as_attention, attention_from_json
-from pallas_kernels.qkv_layout import QKVLayout, QKVWeights
+from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
 from torch_bridge import allocator, dlpack
 from torch_bridge.packed_kv import TorchPackedKV, torch_buffer_specs
 
@@ -144,10 +146,12 @@ def _weights(w_qkv, bias, q_norm_weight, k_norm_weight) -> QKVWeights:
 
 
 def _qkv_meta(x, weights: QKVWeights, rope_cos, rope_sin, layout: QKVLayout, storage: KVStorage, *,
-              real: bool) -> PackedKVMeta:
-  """Validate the projection's inputs; return the metadata of its packed K/V."""
+              real: bool, extra_rows: int = 0) -> PackedKVMeta:
+  """Validate the projection's inputs; return the metadata of its packed K/V (over x's
+  tokens and ``extra_rows`` added ones)."""
   _check(x, "x", real=real, dtype=torch.bfloat16, ndim=3)
   b, t, hidden = x.shape
+  t += extra_rows
   dev = x.device
   _check(weights.w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, layout.width), device=dev)
   _check(weights.bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,), device=dev)
@@ -399,8 +403,26 @@ def sol_attention(q: torch.Tensor, packed: TorchPackedKV, attention: Sol | None 
 # The attention core of a block: projection + attention in one JAX call
 # --------------------------------------------------------------------------------------
 def _layer_meta(x, weights, rope_cos, rope_sin, layout, storage, attention, segment_ids, kv_mask, kv_lengths, *,
-                real: bool) -> PackedKVMeta:
-  meta = _qkv_meta(x, weights, rope_cos, rope_sin, layout, storage, real=real)
+                real: bool, added_x=None, added_weights=None) -> PackedKVMeta:
+  added_rows = 0
+  if added_x is None and added_weights is not None and added_weights.w_qkv is not None:
+    raise dlpack.BridgeError("added_w_qkv given without added_x: joint attention needs both (AddedTokens(x, weights))")
+  if added_x is not None:   # joint attention: the added tokens' own projection, then x's
+    _check(added_x, "added_x", real=real, dtype=torch.bfloat16, ndim=3, device=x.device)
+    b_added, added_rows, added_hidden = added_x.shape
+    if b_added != x.shape[0]:
+      raise dlpack.BridgeError(f"added_x has {b_added} batch rows, x has {x.shape[0]}: they must match")
+    _check(added_weights.w_qkv, "added_w_qkv", real=real, dtype=torch.bfloat16, shape=(added_hidden, layout.width),
+           device=x.device)
+    _check(added_weights.bias, "added_bias", real=real, dtype=(torch.bfloat16, torch.float32),
+           shape=(layout.width,), device=x.device)
+    for name in ("q_norm_weight", "k_norm_weight"):
+      _check(getattr(added_weights, name), "added_" + name, real=real, dtype=torch.float32, device=x.device)
+    try:
+      layout.check_norm_weights(added_weights.q_norm_weight, added_weights.k_norm_weight)
+    except ValueError as e:
+      raise dlpack.BridgeError(f"added tokens' weights rejected: {e}") from None
+  meta = _qkv_meta(x, weights, rope_cos, rope_sin, layout, storage, real=real, extra_rows=added_rows)
   try:
     jlayer.check_attention(attention, (segment_ids, kv_mask, kv_lengths))
   except ValueError as e:
@@ -420,39 +442,53 @@ def _attention_layer_op(
     x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: Optional[torch.Tensor],
     k_norm_weight: Optional[torch.Tensor], rope_cos: torch.Tensor, rope_sin: torch.Tensor, layout: str,
     storage: str, attention: str, segment_ids: Optional[torch.Tensor], kv_mask: Optional[torch.Tensor],
-    kv_lengths: Optional[torch.Tensor], interpret: Optional[bool],
+    kv_lengths: Optional[torch.Tensor], added_x: Optional[torch.Tensor], added_w_qkv: Optional[torch.Tensor],
+    added_bias: Optional[torch.Tensor], added_q_norm_weight: Optional[torch.Tensor],
+    added_k_norm_weight: Optional[torch.Tensor], interpret: Optional[bool],
 ) -> torch.Tensor:
   lay, st, cfg = _layout(layout), _storage(storage), _attention(attention)
+  added = _weights(added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight)
   _layer_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, st, cfg,
-              segment_ids, kv_mask, kv_lengths, real=True)
+              segment_ids, kv_mask, kv_lengths, real=True, added_x=added_x, added_weights=added)
   inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
-  inputs |= {"segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths}
+  inputs |= {"segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths, "added_x": added_x,
+             "added_w_qkv": added_w_qkv, "added_bias": added_bias, "added_q_norm_weight": added_q_norm_weight,
+             "added_k_norm_weight": added_k_norm_weight}
   _enter_jax(inputs, interpret)
   j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
+  joint = None
+  if added_x is not None:
+    joint = AddedTokens(j["added_x"], QKVWeights(j["added_w_qkv"], j["added_bias"], j["added_q_norm_weight"],
+                                                 j["added_k_norm_weight"]))
   o = jlayer.attention_layer(j["x"], _jax_weights(j), layout=lay, rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
                              storage=st, attention=cfg, segment_ids=j["segment_ids"], kv_mask=j["kv_mask"],
-                             kv_lengths=j["kv_lengths"], interpret=interpret)
+                             kv_lengths=j["kv_lengths"], added=joint, interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
 @_attention_layer_op.register_fake
 def _attention_layer_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, storage,
-                          attention, segment_ids, kv_mask, kv_lengths, interpret):
+                          attention, segment_ids, kv_mask, kv_lengths, added_x, added_w_qkv, added_bias,
+                          added_q_norm_weight, added_k_norm_weight, interpret):
   lay = _layout(layout)
-  _layer_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, _storage(storage),
-              _attention(attention), segment_ids, kv_mask, kv_lengths, real=False)
-  b, t, _ = x.shape
-  return x.new_empty((b, t, lay.heads, lay.head_dim), dtype=torch.bfloat16)
+  meta = _layer_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay,
+                     _storage(storage), _attention(attention), segment_ids, kv_mask, kv_lengths, real=False,
+                     added_x=added_x,
+                     added_weights=_weights(added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight))
+  return x.new_empty((meta.batch, meta.num_tokens, lay.heads, lay.head_dim), dtype=torch.bfloat16)
 
 
 def attention_layer(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, rope_cos: torch.Tensor,
                     rope_sin: torch.Tensor, storage: KVStorage | None = None, attention: Dense | Sol | None = None,
                     segment_ids: torch.Tensor | None = None, kv_mask: torch.Tensor | None = None,
-                    kv_lengths: torch.Tensor | None = None, interpret: bool | None = None) -> torch.Tensor:
+                    kv_lengths: torch.Tensor | None = None, added: AddedTokens | None = None,
+                    interpret: bool | None = None) -> torch.Tensor:
   """Torch front end of ``pallas_kernels.attention_layer`` (same arguments, torch
   tensors; ``weights`` a ``QKVWeights`` of torch tensors): x (B, T, hidden) bf16 ->
   (B, T, H, D) bf16 un-rotated attention output, the projection and attention in one
   JAX call. The one way the torch module and the diffusers processors call the op.
+  ``added``: an ``AddedTokens`` of torch tensors (joint attention; the output then has
+  T + T_added rows, the added ones last).
 
   ``layout`` / ``storage`` / ``attention`` may also be given as their ``to_json()``
   text, which is what a module caches so that ``torch.compile`` sees constants.
@@ -463,7 +499,11 @@ def attention_layer(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, 
                                                            else storage),
                                              settings_json(as_attention(attention) if not isinstance(attention, str)
                                                            else attention),
-                                             segment_ids, kv_mask, kv_lengths, interpret)
+                                             segment_ids, kv_mask, kv_lengths,
+                                             *((None,) * 5 if added is None else
+                                               (added.x, added.weights.w_qkv, added.weights.bias,
+                                                added.weights.q_norm_weight, added.weights.k_norm_weight)),
+                                             interpret)
 
 
 def settings_json(value) -> str:
