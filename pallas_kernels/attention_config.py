@@ -28,7 +28,7 @@ from formats.storage import json_fields
 DEFAULT_SCRATCH_BYTES = 512 << 20
 
 DENSE_METHODS = ("auto", "streamed", "fused")
-SOL_METHODS = ("auto", "fused", "streamed", "streamed_int8", "streamed_int8_pv")
+SOL_METHODS = ("auto", "fused", "streamed", "streamed_int8")
 # Routed-list capacity under tau when the caller gives none: 1024 blocks = 64k exact keys
 # per query block. Fixed, so Sol's metadata grows with T, not T**2.
 DEFAULT_MAX_EXACT_TAU = 1024
@@ -134,7 +134,7 @@ class Sol(_Config):
   max_exact: routed-list capacity per query block (None: top-k's count + 3, or
     ``DEFAULT_MAX_EXACT_TAU`` under tau).
   sm_scale: softmax scale (None: 1/sqrt(D)).
-  method: ``"auto"``, ``"fused"``, ``"streamed"``, ``"streamed_int8"`` or ``"streamed_int8_pv"``
+  method: ``"auto"``, ``"fused"``, ``"streamed"`` or ``"streamed_int8"``
     (``sol_attention``'s docstring; ``auto`` picks by the measured ranking).
   scratch_bytes: the streamed methods' bound on their scratch.
   num_warps / num_stages: the Sol kernel's launch. route_chunk_bytes: routing's chunk.

@@ -29,14 +29,6 @@ Kernel layout
   row by one constant, so softmax is unchanged while K's channel offsets leave the
   8-bit range) as int8 codes with one f32 scale per token (absmax / 127, rounded
   half away from zero), V in bf16 as always.
-* ``store="int8_kv"`` (``bhtd`` only): K as under ``int8_k``; V as int8 codes with one
-  f32 scale per (block, channel) (the block's channel absmax / 127), stored transposed,
-  (B, g, D, NB * 64): the layout an 8-bit P.V dot reads without a transpose (Hopper's
-  8-bit MMA wants both operands K-major, and P.V's K is the token axis), plus each
-  block's per-channel sum of codes (exact in f32), which lets the loop quantize P with
-  an offset (``sol_decoded``).
-* ``lengths`` (``bhtd`` only): live rows per block (Sol's ``block_len``); the rows past
-  them are written as zeros, so a block's V scale never sees the caller's dead rows.
 * ``unrotate_v``: V is multiplied by ``R_v^T`` before it is rounded, so attention's
   output ``P (V R_v^T) = (P V) R_v^T`` comes out un-rotated with no pass over it.
 * Everything works on the two channel halves of the format's split-half packing
@@ -61,21 +53,14 @@ from pallas_kernels.backend import (INT4_OFFSET, NamedInputs, int4_halves, int8_
 BLOCK = fmt.BLOCK
 
 
-def _group_f32(packed: fmt.PackedKV, head0: int, heads: int, *, unrotate_v: bool):
-  """(K, V) of heads ``[head0, head0 + heads)`` as (B, T, heads, D) float32: K in the
-  rotated basis, V un-rotated by ``R_v^T`` if asked."""
+def dequantize_group_reference(packed: fmt.PackedKV, head0: int, heads: int, *, unrotate_v: bool):
+  """(K, V) of heads ``[head0, head0 + heads)`` as (B, T, heads, D) bf16, in float32
+  then rounded once: K in the rotated basis, V un-rotated by ``R_v^T`` if asked."""
   k, v = fmt.dequantize_reference(packed)
   k, v = k[:, :, head0:head0 + heads], v[:, :, head0:head0 + heads]
   if unrotate_v:
     r_v = jnp.asarray(fmt.hadamard_rotation(packed.meta.head_dim, packed.meta.rotation_seed_v))
     v = jnp.einsum("bthd,ed->bthe", v, r_v, precision=lax.Precision.HIGHEST)
-  return k, v
-
-
-def dequantize_group_reference(packed: fmt.PackedKV, head0: int, heads: int, *, unrotate_v: bool):
-  """(K, V) of heads ``[head0, head0 + heads)`` as (B, T, heads, D) bf16, in float32
-  then rounded once: K in the rotated basis, V un-rotated by ``R_v^T`` if asked."""
-  k, v = _group_f32(packed, head0, heads, unrotate_v=unrotate_v)
   return k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
 
 
@@ -94,35 +79,6 @@ def dequantize_group_int8_k_reference(packed: fmt.PackedKV, head0: int, heads: i
   return codes.astype(jnp.int8), scale, v
 
 
-def dequantize_group_int8_kv_reference(packed: fmt.PackedKV, head0: int, heads: int, center, *, unrotate_v: bool,
-                                       lengths=None):
-  """``store="int8_kv"``'s definition: (K codes, K scales) as ``int8_k``; V codes
-  (B, heads, D, NB*64) int8 (transposed), V scales (B, heads, NB, D) f32 (a block's
-  channel absmax / 127) and V code sums (B, heads, NB, D) f32. Rows past T, or past
-  ``lengths[block]`` when given, are zero everywhere."""
-  meta = packed.meta
-  nb, rows = meta.num_blocks, meta.num_blocks * BLOCK
-  live = _live_rows(meta.num_tokens, nb, lengths)
-  k_codes, k_scale, _ = dequantize_group_int8_k_reference(packed, head0, heads, center, unrotate_v=unrotate_v)
-  k_codes, k_scale = jnp.where(live[:, None], k_codes, 0), jnp.where(live, k_scale, 0.0)
-  _, v = _group_f32(packed, head0, heads, unrotate_v=unrotate_v)   # quantized from f32, as the kernel does
-  v = jnp.pad(v, ((0, 0), (0, rows - meta.num_tokens), (0, 0), (0, 0)))
-  v = jnp.where(live[None, :, None, None], v, 0.0)
-  blocks = v.reshape(v.shape[0], nb, BLOCK, heads, -1).transpose(0, 3, 1, 4, 2)   # (B, g, NB, D, 64)
-  codes, v_scale = quantize_rows_int8(blocks)
-  v_codes = codes.transpose(0, 1, 3, 2, 4).reshape(codes.shape[0], heads, -1, rows)
-  return k_codes, k_scale, v_codes, v_scale, codes.astype(jnp.float32).sum(-1)
-
-
-def _live_rows(num_tokens: int, num_blocks: int, lengths=None):
-  """(NB * 64,) bool: rows below T and, with ``lengths``, below their block's length."""
-  pos = jnp.arange(num_blocks * BLOCK)
-  live = pos < num_tokens
-  if lengths is not None:
-    live = live & ((pos % BLOCK) < jnp.asarray(lengths)[pos // BLOCK])
-  return live
-
-
 def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, store):
   r = dict(zip(names, refs))
   d = meta.head_dim
@@ -133,8 +89,6 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, s
   cls_id, slot = r["classes"][blk], r["slots"][blk]
   rows = pl.ds(slot * BLOCK, BLOCK)
   valid = (blk * BLOCK + jnp.arange(BLOCK)) < meta.num_tokens
-  if "lens" in r:
-    valid = valid & (jnp.arange(BLOCK) < r["lens"][blk])
   out_rows = pl.ds(blk * BLOCK, BLOCK)
 
   def codes_f32(role, cls):
@@ -180,7 +134,7 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, s
       @pl.when(cls_id == fmt.CLASS_ID[cls])
       def _(cls=cls, role=role):
         lo, hi = decoded(role, cls)
-        if role == "k" and store in ("int8_k", "int8_kv"):
+        if role == "k" and store == "int8_k":
           # quantize_rows_int8 over the two halves (Triton cannot slice a loaded value).
           lo, hi = lo - r["center"][h, lo_c][None, :], hi - r["center"][h, hi_c][None, :]
           amax = jnp.maximum(jnp.abs(lo).max(-1), jnp.abs(hi).max(-1))
@@ -189,33 +143,20 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, s
           return
         if role == "v" and unrotate_v:
           lo, hi = unrotate_halves(lo, hi, r["ht"], lo_c, hi_c, d)
-        if role == "v" and store == "int8_kv":
-          # Per channel over the block's live rows, written transposed: (D, 64) per slot.
-          lo, hi = jnp.where(m, lo, 0.0).T, jnp.where(m, hi, 0.0).T
-          for half, cols in ((lo, lo_c), (hi, hi_c)):
-            amax = jnp.abs(half).max(-1)
-            codes = int8_codes(half, amax)
-            r["v_out"][cols, out_rows] = codes
-            r["v_scale_out"][blk, cols] = amax * (1.0 / 127.0)
-            r["v_sum_out"][blk, cols] = codes.astype(jnp.float32).sum(-1)
-          return
         write(r[role + "_out"], lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16))
 
 
 LAYOUTS = ("bthd", "bhtd")
-STORES = ("bf16", "int8_k", "int8_kv")
+STORES = ("bf16", "int8_k")
 
 
 def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: bool, interpret: bool,
-                     num_warps: int = 4, layout: str = "bthd", store: str = "bf16", center=None, lengths=None):
+                     num_warps: int = 4, layout: str = "bthd", store: str = "bf16", center=None):
   """(K, V) of heads ``[head0, head0 + heads)``: (B, T, heads, D) bf16 each, or with
   ``layout="bhtd"`` (B, heads, NB * 64, D), the rows of block ``b`` at ``b * 64``.
   ``store="int8_k"`` (``bhtd`` only, ``center`` (B, H, D) f32 required): (K codes
   int8, K scales (B, heads, NB * 64) f32, V bf16), as
-  ``dequantize_group_int8_k_reference`` defines. ``store="int8_kv"`` (same needs):
-  (K codes, K scales, V codes (B, heads, D, NB * 64) int8, V scales and V code sums
-  (B, heads, NB, D) f32), as ``dequantize_group_int8_kv_reference`` defines.
-  ``lengths``: (NB,) int32 live rows per block (``bhtd`` only), the rest written as zeros.
+  ``dequantize_group_int8_k_reference`` defines.
 
   ``head0``: a Python int or a traced int32 scalar (the group loop's index).
   """
@@ -223,10 +164,8 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   if store not in STORES:
     raise ValueError(f"store must be one of {STORES}, got {store!r}")
-  if store != "bf16" and (layout != "bhtd" or center is None):
-    raise ValueError(f"store={store!r} needs layout='bhtd' and center=(B, H, D) float32 (Sol's k_global)")
-  if lengths is not None and layout != "bhtd":
-    raise ValueError("lengths (live rows per block) needs layout='bhtd'")
+  if store == "int8_k" and (layout != "bhtd" or center is None):
+    raise ValueError("store='int8_k' needs layout='bhtd' and center=(B, H, D) float32 (Sol's k_global)")
   meta = packed.meta
   b, t, d = meta.batch, meta.num_tokens, meta.head_dim
   present = tuple(c for c in fmt.CLASSES if meta.slots(c))
@@ -246,9 +185,7 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
         inputs.add_spec(name, packed.arrays[name], per_batch(packed.arrays[name]))
   if unrotate_v:
     inputs.add_whole("ht", jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16))
-  if lengths is not None:
-    inputs.add_whole("lens", jnp.asarray(lengths, jnp.int32))
-  if store != "bf16":
+  if store == "int8_k":
     center = jnp.asarray(center, jnp.float32)
     if center.shape != (b, meta.heads, d):
       raise ValueError(f"center must be (B, H, D) = {(b, meta.heads, d)}, got {tuple(center.shape)}")
@@ -261,18 +198,11 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
     out_spec = pl.BlockSpec((None, None, rows, d), lambda j, blk, bi: (bi, j, 0, 0))
     shape = jax.ShapeDtypeStruct((b, heads, rows, d), jnp.bfloat16)
   names, out_specs, out_shapes = ("k_out", "v_out"), [out_spec, out_spec], [shape, shape]
-  if store != "bf16":
+  if store == "int8_k":
     names = ("k_out", "k_scale_out", "v_out")
     out_specs = [out_spec, pl.BlockSpec((None, None, rows), lambda j, blk, bi: (bi, j, 0)), out_spec]
     out_shapes = [jax.ShapeDtypeStruct(shape.shape, jnp.int8), jax.ShapeDtypeStruct((b, heads, rows), jnp.float32),
                   shape]
-  if store == "int8_kv":
-    per_block = pl.BlockSpec((None, None, meta.num_blocks, d), lambda j, blk, bi: (bi, j, 0, 0))
-    names += ("v_scale_out", "v_sum_out")
-    out_specs[2] = pl.BlockSpec((None, None, d, rows), lambda j, blk, bi: (bi, j, 0, 0))
-    out_specs += [per_block, per_block]
-    out_shapes[2] = jax.ShapeDtypeStruct((b, heads, d, rows), jnp.int8)
-    out_shapes += [jax.ShapeDtypeStruct((b, heads, meta.num_blocks, d), jnp.float32)] * 2
   return pl.pallas_call(
       functools.partial(_kernel, names=inputs.ref_names(*names), meta=meta, present=present,
                         unrotate_v=unrotate_v, layout=layout, store=store),

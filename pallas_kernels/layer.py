@@ -111,7 +111,7 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
             + sol.routing_workspace_bytes(batch, heads, tokens, head_dim, attention.route_chunk_bytes))
     method, group = sol.resolve_method(attention, batch, tokens, heads, head_dim)
     if group:
-      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim, method)
+      attn += group * sol.streamed_head_bytes(batch, tokens, head_dim, sol.STREAMED_QK[method])
   out = batch * tokens * hidden * 2
   phases = {"projection": q + packed + projection, "attention": q + packed + attn, "o_proj": q + out}
   return {"q": q, "packed_kv": packed, "projection_scratch": projection, "attention_scratch": attn,

@@ -115,15 +115,15 @@ __all__ = ["Sol", "SolRouting", "auto_order", "default_max_exact", "resolve_meth
            "sol_routing", "streamed_group", "streamed_head_bytes", "topk_count"]
 
 log = logging.getLogger(__name__)
-# The streamed methods and the (Q.K, P.V) precisions of their kernel.
-STREAMED = {"streamed": ("bf16", "bf16"), "streamed_int8": ("int8", "bf16"), "streamed_int8_pv": ("int8", "int8")}
+# The streamed methods and the Q.K precision of their kernel.
+STREAMED_QK = {"streamed": "bf16", "streamed_int8": "int8"}
 # What method="auto" tries, fastest first, as measured on an H100 against comfy-kitchen
-# (benchmarks/NOTES.md, "Sol's kernel"; results/sol_h100_2026-12-07_{38k,152k}.json):
-# at T = 152,263 int8 Q.K beats bf16 by 14-17% at every setting, at T = 38,247 bf16 wins
-# by 4-9%; the crossover between is unmeasured, so the switch sits at their geometric
-# middle. Fused (no scratch) is last: 1.8-2.2x slower, the choice when one head's
-# stores do not fit scratch_bytes.
-INT8_QK_FROM_TOKENS = 76_288
+# (benchmarks/NOTES.md, "Sol over decoded stores"; results/sol_h100_2026-12-07_{38k,75k,152k}.json):
+# int8 Q.K beats bf16 by 14-17% at T = 152,263 and loses by 3-5% at 75,600 (4-9% at 38,247).
+# Its advantage, interpolated linearly in log T between the two nearest points, crosses
+# zero near 87,000 tokens. Fused (no scratch) is last: 1.8-2.2x slower, the choice when
+# one head's stores do not fit scratch_bytes.
+INT8_QK_FROM_TOKENS = 87_296
 AUTO_ORDER_SHORT = ("streamed", "streamed_int8", "fused")
 AUTO_ORDER_LONG = ("streamed_int8", "streamed", "fused")
 
@@ -133,35 +133,30 @@ def auto_order(tokens: int) -> tuple:
   return AUTO_ORDER_LONG if tokens >= INT8_QK_FROM_TOKENS else AUTO_ORDER_SHORT
 
 
-def streamed_head_bytes(batch: int, tokens: int, head_dim: int, method: str = "streamed") -> int:
-  """Scratch of one head in a streamed method: its decoded K store (bf16, or int8 codes
-  and an f32 scale per row), its V store (bf16, or int8 codes with two f32 vectors per
-  block), its f32 V sums, its q slice and its output (64-token slots)."""
-  qk, pv = STREAMED[method]
+def streamed_head_bytes(batch: int, tokens: int, head_dim: int, qk: str = "bf16") -> int:
+  """Scratch of one head in the streamed methods: its decoded K store (bf16, or int8
+  codes and an f32 scale per row under ``qk="int8"``) and bf16 V store (64-token slots),
+  its f32 V sums, its q slice and its output."""
   rows = -(-tokens // BLOCK) * BLOCK
   k_row = head_dim + 4 if qk == "int8" else 2 * head_dim
-  v_row = head_dim if pv == "int8" else 2 * head_dim
-  per_block = (3 if pv == "int8" else 1) * head_dim * 4
-  return batch * (rows * (k_row + v_row) + (rows // BLOCK) * per_block + 2 * tokens * head_dim * 2)
+  return batch * (rows * (k_row + 2 * head_dim) + (rows // BLOCK) * head_dim * 4 + 2 * tokens * head_dim * 2)
 
 
-def streamed_group(batch: int, tokens: int, heads: int, head_dim: int, scratch_bytes: int,
-                   method: str = "streamed") -> int:
-  """Heads per group of a streamed method within ``scratch_bytes`` (0: not one head)."""
-  return int(min(heads, int(scratch_bytes) // streamed_head_bytes(batch, tokens, head_dim, method)))
+def streamed_group(batch: int, tokens: int, heads: int, head_dim: int, scratch_bytes: int, qk: str = "bf16") -> int:
+  """Heads per group of the streamed methods within ``scratch_bytes`` (0: not one head)."""
+  return int(min(heads, int(scratch_bytes) // streamed_head_bytes(batch, tokens, head_dim, qk)))
 
 
 def _sol_streamed(q, packed, routing, key_bias, block_len, plan: SolPlan, *, keep_rotated, interpret, num_warps,
-                  num_stages, group, overwrite_q, method):
+                  num_stages, group, overwrite_q, qk):
   """Per head group: decode its K/V into stores (``kv_dequant``: bf16 K, or int8 K - kg
   for ``qk="int8"``; V un-rotated unless ``keep_rotated``), run ``sol_decoded``'s kernel
   over them (no decode in its loops), write the group's output."""
   meta = packed.meta
   b, t, h, d = q.shape
   out = q if overwrite_q else jnp.zeros_like(q)
-  qk, pv = STREAMED[method]
   cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=t, num_blocks=plan.num_blocks, qk_scale=plan.log2_scale,
-                               sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk, pv=pv,
+                               sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk,
                                has_key_bias=key_bias is not None, has_block_len=block_len is not None)
   kb = normalize_key_bias(key_bias, b, t) * LOG2E if key_bias is not None else None
   lengths = block_lengths(t, block_len) if block_len is not None else None
@@ -169,12 +164,7 @@ def _sol_streamed(q, packed, routing, key_bias, block_len, plan: SolPlan, *, kee
 
   def attend(h0, g, out):
     take = lambda a: lax.dynamic_slice_in_dim(a, h0, g, axis=1)
-    v_scale = v_code_sum = None
-    if pv == "int8":
-      k, k_scale, v, v_scale, v_code_sum = dequantize_group(
-          packed, h0, g, unrotate_v=not keep_rotated, interpret=interpret, layout="bhtd", store="int8_kv",
-          center=routing.k_global, lengths=lengths)
-    elif qk == "int8":
+    if qk == "int8":
       k, k_scale, v = dequantize_group(packed, h0, g, unrotate_v=not keep_rotated, interpret=interpret,
                                        layout="bhtd", store="int8_k", center=routing.k_global)
     else:
@@ -187,27 +177,26 @@ def _sol_streamed(q, packed, routing, key_bias, block_len, plan: SolPlan, *, kee
     qg = lax.dynamic_slice(out if overwrite_q else q, (0, 0, h0, 0), (b, t, g, d))
     og = sol_decoded.sol_over_stores(qg, k, k_scale, v, v_sum, take(routing.k_global), take(routing.blocks),
                                      take(routing.counts), take(routing.centroid), take(routing.k_mean), kb,
-                                     lengths, cfg, interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-                                     v_scale=v_scale, v_code_sum=v_code_sum)
+                                     lengths, cfg, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     return lax.dynamic_update_slice(out, og, (0, 0, h0, 0))
 
   return over_chunks(h, group, attend, out)
 
 
 def _sol_call(q, packed, routing, key_bias, block_len, *, plan, keep_rotated, interpret, num_warps, num_stages,
-              chunk_bytes, overwrite_q, group, method):
+              chunk_bytes, overwrite_q, group, qk):
   if routing is None:  # XLA orders this read of q before the kernel that may overwrite it
     routing = _routing_impl(q, packed, block_len, plan, chunk_bytes)
   if group:
     return _sol_streamed(q, packed, routing, key_bias, block_len, plan, keep_rotated=keep_rotated,
                          interpret=interpret, num_warps=num_warps, num_stages=num_stages, group=group,
-                         overwrite_q=overwrite_q, method=method)
+                         overwrite_q=overwrite_q, qk=qk)
   return fused_sol(q, packed, routing, key_bias, block_len, plan, keep_rotated=keep_rotated,
                    interpret=interpret, num_warps=num_warps, num_stages=num_stages, overwrite_q=overwrite_q)
 
 
 _SOL_STATIC = ("plan", "keep_rotated", "interpret", "num_warps", "num_stages", "chunk_bytes", "overwrite_q",
-               "group", "method")
+               "group", "qk")
 _sol_jit = jax.jit(_sol_call, static_argnames=_SOL_STATIC)
 # q donated: at top level its buffer becomes the output instead of being copied.
 _sol_jit_donate_q = jax.jit(_sol_call, static_argnames=_SOL_STATIC, donate_argnums=(0,))
@@ -218,21 +207,21 @@ def resolve_method(attention: Sol, batch: int, tokens: int, heads: int, head_dim
   ``auto_order(tokens)`` that runs and logs why it passed over the others; an explicit streamed method whose
   one head does not fit ``scratch_bytes`` raises, naming the fix."""
   def group_of(method):
-    return streamed_group(batch, tokens, heads, head_dim, attention.scratch_bytes, method)
+    return streamed_group(batch, tokens, heads, head_dim, attention.scratch_bytes, STREAMED_QK[method])
 
   if attention.method != "auto":
-    if attention.method not in STREAMED:
+    if attention.method not in STREAMED_QK:
       return attention.method, 0
     group = group_of(attention.method)
     if group < 1:
-      need = streamed_head_bytes(batch, tokens, head_dim, attention.method)
+      need = streamed_head_bytes(batch, tokens, head_dim, STREAMED_QK[attention.method])
       raise ValueError(f"Sol(scratch_bytes={attention.scratch_bytes}) holds less than one head's decoded K/V "
                        f"stores, q slice and output ({need} bytes at T={tokens}); raise scratch_bytes or use "
                        f"Sol(method='fused') (no scratch)")
     return attention.method, group
   rejected = []
   for method in auto_order(tokens):
-    if method not in STREAMED:
+    if method not in STREAMED_QK:
       break
     group = group_of(method)
     if group >= 1:
@@ -240,7 +229,7 @@ def resolve_method(attention: Sol, batch: int, tokens: int, heads: int, head_dim
                "".join(f"; {r}" for r in rejected))
       return method, group
     rejected.append(f"{method} rejected: one head needs "
-                    f"{streamed_head_bytes(batch, tokens, head_dim, method)} bytes of scratch, "
+                    f"{streamed_head_bytes(batch, tokens, head_dim, STREAMED_QK[method])} bytes of scratch, "
                     f"scratch_bytes is {attention.scratch_bytes}")
   log.info("sol_attention auto: fused%s", "".join(f"; {r}" for r in rejected))
   return "fused", 0
@@ -288,4 +277,4 @@ def sol_attention(q, packed, attention: Sol | None = None, *, key_bias=None, blo
   return call(q, packed, routing, key_bias, block_len, plan=plan, keep_rotated=bool(keep_rotated),
               interpret=resolve_interpret(interpret), num_warps=attention.num_warps,
               num_stages=attention.num_stages, chunk_bytes=attention.route_chunk_bytes,
-              overwrite_q=bool(overwrite_q), group=group, method=method)
+              overwrite_q=bool(overwrite_q), group=group, qk=STREAMED_QK.get(method, "bf16"))

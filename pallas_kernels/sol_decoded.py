@@ -51,8 +51,6 @@ from pallas_kernels.sol_routing import pooled_step, walk_exact_blocks
 
 BLOCK = fmt.BLOCK
 QK_PRECISIONS = ("bf16", "int8")
-PV_PRECISIONS = ("bf16", "int8")
-P_CODE_OFFSET = 128.0   # 8-bit P: round(p * 255) - 128 fits int8; the offset comes back via V's code sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +66,10 @@ class LoopConfig:
   qk: str                  # "bf16" or "int8"
   has_key_bias: bool
   has_block_len: bool
-  pv: str = "bf16"         # "bf16" or "int8" (needs qk="int8": one int8 store layout)
 
   def __post_init__(self):
     if self.qk not in QK_PRECISIONS:
       raise ValueError(f"qk must be one of {QK_PRECISIONS}, got {self.qk!r}")
-    if self.pv not in PV_PRECISIONS:
-      raise ValueError(f"pv must be one of {PV_PRECISIONS}, got {self.pv!r}")
-    if self.pv == "int8" and self.qk != "int8":
-      raise ValueError("pv='int8' reads kv_dequant's store='int8_kv', whose K is int8: it needs qk='int8'")
 
 
 def _kernel(*refs, names, cfg: LoopConfig):
@@ -124,14 +117,6 @@ def _kernel(*refs, names, cfg: LoopConfig):
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + p.sum(axis=-1)
-    if cfg.pv == "int8":
-      # P in [0, 1] as round(p * 255) - 128 (8 bits), one int8 dot with int32 sums against
-      # the block's V codes (D, 64); the offset returns as 128 * the block's code sums.
-      # Dead rows are zeros in this store (the decoder zeroes them under block_len too).
-      p8 = ((p * 255.0 + 0.5).astype(jnp.int32) - 128).astype(jnp.int8)
-      raw = lax.dot_general(p8, v_ref[:, rows], (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-      pv = raw.astype(jnp.float32) * r["v_scale"][blk, :][None, :] + r["v_offset"][blk, :][None, :]
-      return m_new, l, acc * alpha[:, None] + pv
     if cfg.has_block_len:
       # The caller's dead rows inside T are whatever the projection wrote there; their P
       # is 0, but 0 * NaN is not, so they are read as zeros (rows past T are zeros).
@@ -175,24 +160,13 @@ def _kernel(*refs, names, cfg: LoopConfig):
   plgpu.store(o_ref.at[q_tile, :], o.astype(o_ref.dtype), mask=row_live)
 
 
-def p_scaled_v(v_scale, v_code_sum):
-  """The int8 P.V dot's per-(block, channel) factors from ``store="int8_kv"``'s V scales
-  and code sums: ``p . v = (raw + 128 * code_sum) * scale / 255`` for P codes
-  ``round(p * 255) - 128``, as (scale / 255, 128 * code_sum * scale / 255)."""
-  scale = v_scale * (1.0 / 255.0)
-  return scale, P_CODE_OFFSET * v_code_sum * scale
-
-
 def sol_over_stores(q, k, k_scale, v, v_sum, kg, blocks, counts, centroid, k_mean, key_bias, lengths,
-                    cfg: LoopConfig, *, interpret: bool, num_warps: int = 4, num_stages: int = 2, v_scale=None,
-                    v_code_sum=None):
+                    cfg: LoopConfig, *, interpret: bool, num_warps: int = 4, num_stages: int = 2):
   """(B, T, g, D) bf16 Sol output of one head group over its decoded stores.
 
   q (B, T, g, D) bf16 rotated by R_k; k (B, g, NB*64, D) bf16 (``qk="bf16"``) or int8
   codes of K - kg with ``k_scale`` (B, g, NB*64) f32 (``qk="int8"``); v (B, g, NB*64, D)
-  bf16, or under ``pv="int8"`` int8 codes (B, g, D, NB*64) with ``v_scale`` and
-  ``v_code_sum`` (B, g, NB, D) f32 (``kv_dequant``'s ``store="int8_kv"``); v_sum
-  (B, g, NB, D) f32 in the basis the output should have; kg (B, g, D)
+  bf16 and v_sum (B, g, NB, D) f32 in the basis the output should have; kg (B, g, D)
   f32; blocks / counts / centroid / k_mean: the group's ``SolRouting`` fields;
   key_bias (B, T) f32 in log2 units or None; lengths (NB,) int32 (block_len) or None.
   """
@@ -206,10 +180,6 @@ def sol_over_stores(q, k, k_scale, v, v_sum, kg, blocks, counts, centroid, k_mea
   if cfg.qk == "int8":
     add("k_scale", k_scale, (None, None, k_scale.shape[2]), per_head(1))
   add("v", v, (None, None) + v.shape[2:], per_head(2))
-  if cfg.pv == "int8":
-    scale, offset = p_scaled_v(v_scale, v_code_sum)
-    add("v_scale", scale, (None, None, nb, d), per_head(2))
-    add("v_offset", offset, (None, None, nb, d), per_head(2))
   add("kg", kg, (None, None, d), per_head(1))
   add("blocks", blocks, (None, None) + blocks.shape[2:], per_head(2))
   add("counts", counts, (None, None, nb), per_head(1))
@@ -229,17 +199,14 @@ def sol_over_stores(q, k, k_scale, v, v_sum, kg, blocks, counts, centroid, k_mea
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"sol_over_stores_qk{cfg.qk}_pv{cfg.pv}",
+      name=f"sol_over_stores_{cfg.qk}",
   )(*inputs.args)
 
 
 def exact_loop_reference(q, k, k_scale, v, v_sum, kg, blocks, counts, centroid, k_mean, key_bias, lengths,
-                         cfg: LoopConfig, v_scale=None, v_code_sum=None):
+                         cfg: LoopConfig):
   """Float32 jnp definition of ``sol_over_stores`` (same arguments, f32 output):
-  dense O(T**2) scores, the exact set read back from the routing lists. Tests only.
-  Under ``pv="int8"`` V is its codes times their scales and P is not rounded: the
-  kernel's 8-bit P (against the running max of its online softmax, which no closed
-  form repeats) is within the tests' tolerance of it."""
+  dense O(T**2) scores, the exact set read back from the routing lists. Tests only."""
   b, t, g, d = q.shape
   nb = cfg.num_blocks
   rows = nb * BLOCK
@@ -273,8 +240,6 @@ def exact_loop_reference(q, k, k_scale, v, v_sum, kg, blocks, counts, centroid, 
   m = jnp.maximum(s.max(-1), pool.max(-1))[..., None]
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p, pp = jnp.exp2(s - m), jnp.exp2(pool - m)
-  if cfg.pv == "int8":   # (B, g, D, rows) codes -> (B, g, rows, D) values
-    v = v.astype(jnp.float32).swapaxes(-1, -2) * jnp.repeat(v_scale, BLOCK, axis=2)
   num = (jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
          + jnp.einsum("bhqn,bhnd->bhqd", pp, v_sum, precision=lax.Precision.HIGHEST))
   den = p.sum(-1) + (pp * lengths.astype(jnp.float32)).sum(-1)

@@ -201,7 +201,7 @@ def test_dense_bad_settings_raise_at_construction(kwargs, match):
     (dict(max_exact=3.5), "max_exact must be an int >= 3"),
     (dict(sm_scale=0), "sm_scale must be a positive finite number"),
     (dict(sm_scale=-1.0), "sm_scale must be a positive finite number"),
-    (dict(method="dense"), r"Sol method must be one of \('auto', 'fused', 'streamed', 'streamed_int8', 'streamed_int8_pv'\)"),
+    (dict(method="dense"), r"Sol method must be one of \('auto', 'fused', 'streamed', 'streamed_int8'\)"),
     (dict(scratch_bytes=-5), "scratch_bytes must be a non-negative int"),
     (dict(num_warps=3), "num_warps must be one of"),
     (dict(num_stages=0), "num_stages must be one of"),

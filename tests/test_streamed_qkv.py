@@ -491,6 +491,25 @@ def test_chunked_epilogue_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_sch
   assert text.count("__gpu$xla.gpu.triton") == 2 and "qkv_epilogue" in text and "qkv_buffers" in text
 
 
+@pytest.mark.parametrize("norm", ["head", "across"])
+def test_joint_epilogue_lowers_to_triton_ir(norm):
+  """Added tokens: the per-row choice of bias and norm weights lowers for CUDA, and the
+  chunk loop holds the switch between the parts' GEMMs."""
+  sd = jax.ShapeDtypeStruct
+  heads, head_dim, t_own, t_added = 2, 64, 150, 40
+  layout = QKVLayout(heads, head_dim, norm, "pairs", 48)
+  nw = sd((layout.norm_width,), jnp.float32)
+  w = lambda hidden: QKVWeights(sd((hidden, 3 * heads * head_dim), jnp.bfloat16),
+                                sd((3 * heads * head_dim,), jnp.float32), nw, nw)
+  tab = sd((t_own + t_added, head_dim), jnp.float32)
+  fn = jax.jit(lambda x, wt, xa, wa, cos, sin: streamed_qkv(
+      x, wt, layout=layout, rope_cos=cos, rope_sin=sin, added=AddedTokens(xa, wa), interpret=False,
+      method="chunked", scratch_bytes=chunk_scratch_bytes(64, 96, 6 * head_dim, 64)))
+  text = fn.trace(sd((1, t_own, 96), jnp.bfloat16), w(96), sd((1, t_added, 64), jnp.bfloat16), w(64), tab,
+                  tab).lower(lowering_platforms=("cuda",)).as_text()
+  assert "qkv_epilogue" in text and "case" in text
+
+
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
           "i32": 4, "ui32": 4, "i8": 1, "ui8": 1, "i1": 1, "pred": 1, "s64": 8, "i64": 8}
 
@@ -646,6 +665,22 @@ def test_gpu_chunked_program_stays_within_the_budget_at_h3_shapes(budget_mib):
                     scratch_bytes=budget).lower().compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp <= budget, f"temp {temp / 2**20:.1f} MiB > budget {budget_mib} MiB"
+
+
+@pytest.mark.gpu
+def test_gpu_joint_projection_matches_reference():
+  """Added tokens on the GPU: 3,000 video-like and 256 text-like tokens of another width,
+  several chunks with one across the boundary, against the float32 reference."""
+  t_own, t_added = 3000, 256
+  x, wt, kw = make_inputs(b=1, t=t_own + t_added, hidden=256, heads=4, head_dim=128, rot_dim=128, seed=51,
+                          rope_style="pairs")
+  xa, wa, _ = make_inputs(b=1, t=t_added, hidden=192, heads=4, head_dim=128, rot_dim=128, seed=52,
+                          rope_style="pairs")
+  added = AddedTokens(xa, wa)
+  storage = KVStorage(token_ranges=((t_own, t_own + t_added, "int8"),))
+  q, packed = streamed_qkv(x[:, :t_own], wt, **kw, storage=storage, added=added, interpret=False,
+                           method="chunked", scratch_bytes=chunk_scratch_bytes(640, 256, 3 * 4 * 128, 192))
+  check_against_reference(q, packed, x[:, :t_own], wt, kw, storage, added=added)
 
 
 def test_bf16_gemm_output_rounds_only_the_projection():

@@ -166,7 +166,7 @@ def test_module_is_one_layer_call_equal_to_the_ops(setup, mixed):
   assert torch.equal(got, want)
   args = (s["x"], mod.qkv_proj.weight_t, None, mod.q_norm.weight, mod.k_norm.weight, s["cos"], s["sin"],
           QKVLayout.h3(H, D, ROT).to_json(), KVStorage(block_classes=MIXED).to_json(), Dense().to_json(),
-          None, None, None, None)
+          None, None, None, None, None, None, None, None, None)
   torch.library.opcheck(torch.ops.packed_kv.attention_layer, args,
                         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
   sol_mod = tb.PackedH3Attention(HIDDEN, H, D, attention=Sol(tau=0.5, sink_blocks=(0, 1)))
@@ -232,7 +232,7 @@ def test_layer_op_settings_cross_as_json(setup):
   w = s["weights"]
   o = torch.ops.packed_kv.attention_layer(s["x"], w.w_qkv, w.bias, w.q_norm_weight, w.k_norm_weight, s["cos"],
                                           s["sin"], layout.to_json(), storage.to_json(), sol.to_json(), None, None,
-                                          None, None)
+                                          None, None, None, None, None, None, None)
   jo = jlayer.attention_layer(dlpack.to_jax(s["x"], "x"), _jax_weights(w), storage=storage, attention=sol,
                               **_jax_kwargs(s["kw"]))
   assert torch.equal(o, torch.from_dlpack(jo))
@@ -240,6 +240,45 @@ def test_layer_op_settings_cross_as_json(setup):
   mod.load_state_dict(s["mod"].state_dict())
   assert mod._json == (layout.to_json(), storage.to_json(), sol.to_json())
   assert torch.equal(mod(s["x"], s["cos"], s["sin"]), mod.o_proj(o.reshape(B, T, H * D)))
+
+
+def test_layer_op_with_added_tokens_equals_jax_and_checks_them(setup):
+  """Joint attention through the torch op: x's tokens (T = 150 - 40) and 40 added ones of
+  another width, each with its own weights, equal the JAX layer called with the same
+  AddedTokens; the op's schema and fake kernel hold with the added tensors; mismatches
+  are named."""
+  s = setup
+  t_added = 40
+  t_own = T - t_added
+  gen = torch.Generator().manual_seed(5)
+  xa = torch.randn(B, t_added, 96, generator=gen).to(torch.bfloat16)
+  wa = QKVWeights((torch.randn(96, 3 * H * D, generator=gen) / 10).to(torch.bfloat16),
+                  torch.randn(3 * H * D, generator=gen), torch.rand(D, generator=gen) + 0.5,
+                  torch.rand(D, generator=gen) + 0.5)
+  x = s["x"][:, :t_own].contiguous()
+  layout, storage = QKVLayout.h3(H, D, ROT), KVStorage(block_classes=MIXED)
+  o = tb.attention_layer(x, s["weights"], layout=layout, rope_cos=s["cos"], rope_sin=s["sin"], storage=storage,
+                         added=tb.AddedTokens(xa, wa))
+  assert o.shape == (B, T, H, D)
+  jo = jlayer.attention_layer(dlpack.to_jax(x, "x"), _jax_weights(s["weights"]), storage=storage,
+                              added=jqkv.AddedTokens(dlpack.to_jax(xa, "xa"), _jax_weights(wa)),
+                              **_jax_kwargs(s["kw"]))
+  assert torch.equal(o, torch.from_dlpack(jo))
+  args = (x, s["w"], None, s["weights"].q_norm_weight, s["weights"].k_norm_weight, s["cos"], s["sin"],
+          layout.to_json(), storage.to_json(), Dense().to_json(), None, None, None, xa, wa.w_qkv, wa.bias,
+          wa.q_norm_weight, wa.k_norm_weight)
+  torch.library.opcheck(torch.ops.packed_kv.attention_layer, args + (None,),
+                        test_utils=("test_schema", "test_faketensor"))
+  with pytest.raises(tb.BridgeError, match="added_x has 2 batch rows, x has 1"):
+    tb.attention_layer(x, s["weights"], layout=layout, rope_cos=s["cos"], rope_sin=s["sin"],
+                       added=tb.AddedTokens(torch.cat([xa, xa]), wa))
+  with pytest.raises(tb.BridgeError, match=r"added_w_qkv.*must have shape \[96, 384\]"):
+    tb.attention_layer(x, s["weights"], layout=layout, rope_cos=s["cos"], rope_sin=s["sin"],
+                       added=tb.AddedTokens(xa, QKVWeights(wa.w_qkv[:, :64].contiguous(), wa.bias,
+                                                           wa.q_norm_weight, wa.k_norm_weight)))
+  with pytest.raises(tb.BridgeError, match=r"rope_cos must be .* = \(150, 64\)"):
+    tb.attention_layer(x, s["weights"], layout=layout, rope_cos=s["cos"][:t_own].contiguous(),
+                       rope_sin=s["sin"][:t_own].contiguous(), added=tb.AddedTokens(xa, wa))
 
 
 # Wan's attention layout: RMSNorm over all H*D channels of a token, RoPE on adjacent pairs.

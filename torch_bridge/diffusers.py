@@ -23,7 +23,8 @@ model class:
   bias on all three or none, head dim 64 or 128, and its QK norms: ``RMSNorm`` over
   head_dim (layout norm ``"head"``), over heads*head_dim (``"across"``) or none.
   Cross-attention (``is_cross_attention``) stays stock; added text projections
-  (``add_q_proj`` / ``add_k_proj``) mean joint text+video attention, not served yet.
+  (``add_q_proj`` / ``add_k_proj``) mean joint text+video attention, served where the
+  convention knows how the model joins the text (HunyuanVideo), else left stock.
 * How the model calls it, which is what its stock processor class says: the keyword
   the rotary embedding arrives under, the format of that embedding, and where the
   RoPE goes. Each served convention maps the model's own tables onto the layout's RoPE
@@ -41,10 +42,12 @@ model class:
 | Cosmos Predict-1 (``Attention``) | ``CosmosAttnProcessor2_0`` -> ``PackedCosmosAttnProcessor`` | ``attn1`` (``is_cross_attention`` False) | RMSNorm over D | ``image_rotary_emb`` (cos, sin), each (S, D) -> ``half`` |
 | MiniMax-H3 (``MiniMaxH3Attention``) | ``MiniMaxH3AttnProcessor`` -> ``PackedH3AttnProcessor`` | every one (H3 has no cross-attention; the text refiner's run without RoPE) | RMSNorm over D | ``rotary_emb`` (cos, sin), each (S, rot_dim) -> ``half`` on the first rot_dim channels |
 | Kandinsky 5 (``Kandinsky5Attention``) | ``Kandinsky5AttnProcessor`` -> ``PackedKandinsky5AttnProcessor`` | the modules named ``self_attention`` (visual and text blocks) | RMSNorm over D (of float32 q / k) | ``rotary_emb`` 2x2 rotations (B, S, 1, D/2, 2, 2) -> ``pairs`` |
+| HunyuanVideo (``Attention``) | ``HunyuanVideoAttnProcessor2_0`` -> ``PackedHunyuanVideoAttnProcessor`` | joint text+video: dual-stream blocks (text through ``add_q_proj``... into the same packed K/V, ``AddedTokens``) and single-stream blocks (text joined before the one projection); text key padding -> key lengths | RMSNorm over D (text: ``norm_added_q/k``) | ``image_rotary_emb`` (cos, sin), each (S_video, D), video tokens only -> ``pairs`` |
 
 Left stock, with the reason in the report (``KNOWN_REFUSALS`` names the processors):
-joint text+video attention (HunyuanVideo and HunyuanVideo 1.5, CogVideoX, ConsisID, Mochi,
-EasyAnimate, Motif-Video: text tokens concatenated in, or ``add_q_proj``), Allegro's RoPE
+joint text+video attention other than HunyuanVideo's (HunyuanVideo 1.5, whose mask also
+masks the padded text's queries; CogVideoX, ConsisID: LayerNorm QK norm; Mochi,
+EasyAnimate, Motif-Video), Allegro's RoPE
 (rotate-half inside each t/h/w third of a head), linear attention (Sana-Video), the
 generic ``AttnProcessor2_0`` (text refiners, Latte: no RoPE, masks), LTX-2's perturbed
 processor, and any processor not listed above. Wan-Animate runs Wan's processor code
@@ -61,7 +64,8 @@ views of it, so the model holds its projection weights once, as before, and the 
 processor still works on them (``restore_stock_attention`` puts it back).
 
 Requirements, checked with errors that name the fix: the transformer in bfloat16, no
-attention mask and no ``encoder_hidden_states`` on a served module (SkyReels-V2 with
+attention mask and no ``encoder_hidden_states`` on a served self-attention module
+(joint attention takes trailing key padding only; SkyReels-V2 with
 ``num_frame_per_block > 1`` passes a block-causal mask; Kandinsky 5's NABLA passes
 ``sparse_params``), the RoPE format the convention expects, the same RoPE table for
 every batch row (LTX-Video builds one per row from shared coordinates).
@@ -73,13 +77,14 @@ inputs; ``python -m benchmarks.bench_dit --parity`` prints it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from formats.packed_kv import check_head_dim
+from formats.packed_kv import CLASSES, check_head_dim
 from formats.storage import KVStorage, as_storage
 from pallas_kernels.attention_config import Dense, Sol, as_attention
 from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
@@ -268,7 +273,7 @@ class _PackedSelfAttnProcessor:
     self.rope_style = self.rope_style_of(attn)
     self.w_qkv, self.bias = _fuse_projection([spec.q, spec.k, spec.v])
     self.q_norm, self.k_norm = spec.q_norm, spec.k_norm
-    self._settings: dict[int, tuple[str, str, str]] = {}
+    self._settings: dict[tuple, tuple[str, str, str]] = {}
     self.settings(self.head_dim)   # check the layout now, not at the first call
 
   # -- per convention --------------------------------------------------------------------
@@ -301,12 +306,14 @@ class _PackedSelfAttnProcessor:
     return QKVLayout(self.heads, self.head_dim, norm=self.norm, rope=self.rope_style, rot_dim=rot_dim,
                      eps=self.eps, rope_per_head=self.rope_per_head)
 
-  def settings(self, rot_dim: int) -> tuple[str, str, str]:
-    """The op's settings as JSON text, computed once per rot_dim (constants under
-    torch.compile)."""
-    if rot_dim not in self._settings:
-      self._settings[rot_dim] = tuple(settings_json(v) for v in (self.layout(rot_dim), self.storage, self.attention))
-    return self._settings[rot_dim]
+  def settings(self, rot_dim: int, storage: KVStorage | None = None) -> tuple[str, str, str]:
+    """The op's settings as JSON text, computed once per rot_dim and storage (constants
+    under torch.compile); ``storage`` None: the processor's own."""
+    storage = self.storage if storage is None else storage
+    key = (rot_dim, storage)
+    if key not in self._settings:
+      self._settings[key] = tuple(settings_json(v) for v in (self.layout(rot_dim), storage, self.attention))
+    return self._settings[key]
 
   def check_self_attention(self, encoder_hidden_states, attention_mask):
     if encoder_hidden_states is not None:
@@ -333,9 +340,9 @@ class _PackedSelfAttnProcessor:
       raise dlpack.BridgeError("the transformer was moved or cast after use_packed_attention, so this processor's "
                                "fused weights are stale; call use_packed_attention again after .to(...)")
 
-  def run_layer(self, x, cos, sin, rot_dim, *, added: AddedTokens | None = None, kv_lengths=None):
+  def run_layer(self, x, cos, sin, rot_dim, *, added: AddedTokens | None = None, kv_lengths=None, storage=None):
     """The one op call: (B, T [+ T_added], H*D) bf16 attention output."""
-    layout, storage, attention = self.settings(rot_dim)
+    layout, storage, attention = self.settings(rot_dim, storage)
     o = attention_layer(x.contiguous(), QKVWeights(self.w_qkv, self.bias, self.q_norm, self.k_norm),
                         layout=layout, rope_cos=cos.contiguous(), rope_sin=sin.contiguous(), storage=storage,
                         attention=attention, kv_lengths=kv_lengths, added=added, interpret=self.interpret)
@@ -357,6 +364,16 @@ def _same_rows(table: torch.Tensor, name: str) -> torch.Tensor:
     raise NotImplementedError(f"{name} differs between batch rows; packed attention takes one RoPE table for "
                               "the batch: run the rows one at a time")
   return table[0]
+
+
+def _whole_head_tables(rotary_emb, t: int, d: int):
+  """``image_rotary_emb`` given as (cos, sin), each (S, D) over the whole head, already in
+  the layout's style: checked and passed through as float32."""
+  cos, sin = rotary_emb
+  for name, tab in (("image_rotary_emb cos", cos), ("image_rotary_emb sin", sin)):
+    if tuple(tab.shape) != (t, d):
+      raise _table_shape_error(name, tab.shape, f"({t}, {d})")
+  return cos.float(), sin.float(), d
 
 
 def _table_shape_error(name, got, want):
@@ -442,12 +459,7 @@ class PackedCosmosAttnProcessor(_PackedSelfAttnProcessor):
   rope_style = "half"
 
   def tables(self, rotary_emb, t):
-    cos, sin = rotary_emb   # (S, D)
-    d = self.head_dim
-    for name, tab in (("image_rotary_emb cos", cos), ("image_rotary_emb sin", sin)):
-      if tuple(tab.shape) != (t, d):
-        raise _table_shape_error(name, tab.shape, f"({t}, {d})")
-    return cos.float(), sin.float(), d
+    return _whole_head_tables(rotary_emb, t, self.head_dim)   # (S, D)
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
     self.check_self_attention(encoder_hidden_states, attention_mask)
@@ -597,7 +609,9 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
 
   RoPE on the video tokens only (pairs, ``image_rotary_emb`` (S, D) cos and sin); the
   text's key padding (``attention_mask`` (B, 1, 1, N), True = attend) becomes key
-  lengths per batch row (dense attention only; Sol takes no mask).
+  lengths per batch row (dense attention only; Sol takes no mask). The text tokens are
+  stored at ``text_class`` (default int8: short text loses more at int4), a token range
+  added to the storage for each call's lengths; None leaves them to the storage.
   """
 
   family = "HunyuanVideo"
@@ -605,8 +619,11 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
   added_attrs = dict(q="add_q_proj", k="add_k_proj", v="add_v_proj", norm_q="norm_added_q",
                      norm_k="norm_added_k", heads="heads")
 
-  def __init__(self, attn, **kw):
+  def __init__(self, attn, *, text_class: str | None = "int8", **kw):
     super().__init__(attn, **kw)
+    if text_class is not None and text_class not in CLASSES:
+      raise ValueError(f"text_class must be one of {CLASSES} or None, got {text_class!r}")
+    self.text_class = text_class
     self.added = None
     if getattr(attn, "add_q_proj", None) is not None:
       spec = _module_spec(attn, self.added_attrs, self.norm_input_dtype)
@@ -624,13 +641,15 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
                        f"{spec.head_dim} {spec.norm} eps {spec.eps}): not supported")
     return spec
 
+  def text_storage(self, start: int, end: int) -> KVStorage | None:
+    """The storage with the text tokens [start, end) at ``text_class`` (None: as is; a
+    storage with fixed block classes is taken as the caller wrote it)."""
+    if self.text_class is None or self.storage.block_classes is not None:
+      return None
+    return dataclasses.replace(self.storage, token_ranges=self.storage.token_ranges + ((start, end, self.text_class),))
+
   def tables(self, rotary_emb, t):
-    cos, sin = rotary_emb   # (S, D), repeat-interleaved pairs
-    d = self.head_dim
-    for name, tab in (("image_rotary_emb cos", cos), ("image_rotary_emb sin", sin)):
-      if tuple(tab.shape) != (t, d):
-        raise _table_shape_error(name, tab.shape, f"({t}, {d})")
-    return cos.float(), sin.float(), d
+    return _whole_head_tables(rotary_emb, t, self.head_dim)   # (S, D), repeat-interleaved pairs
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
     self.check_weights(attn, hidden_states, self.attrs["q"], self.w_qkv)
@@ -648,13 +667,14 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
       cos, sin, rot_dim = self.tables(image_rotary_emb, t_video)
       ident_cos, ident_sin, _ = self._identity_tables(t_text, hidden_states.device)
       cos, sin = torch.cat([cos, ident_cos], 0), torch.cat([sin, ident_sin], 0)
+    storage = self.text_storage(t_video, n)
     if self.added is not None:
       self.check_weights(attn, encoder_hidden_states, self.added_attrs["q"], self.added.w_qkv)
-      o = self.run_layer(hidden_states, cos, sin, rot_dim, kv_lengths=kv_lengths,
+      o = self.run_layer(hidden_states, cos, sin, rot_dim, kv_lengths=kv_lengths, storage=storage,
                          added=AddedTokens(encoder_hidden_states.contiguous(), self.added))
     else:
       o = self.run_layer(torch.cat([hidden_states, encoder_hidden_states], 1), cos, sin, rot_dim,
-                         kv_lengths=kv_lengths)
+                         kv_lengths=kv_lengths, storage=storage)
     video, text = o[:, :t_video], o[:, t_video:]
     if getattr(attn, "to_out", None) is not None:
       video = attn.to_out[1](attn.to_out[0](video))
@@ -751,7 +771,7 @@ def attention_report(transformer) -> InstallReport:
 
 
 def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, storage: KVStorage | None = None,
-                         interpret: bool | None = None) -> InstallReport:
+                         text_class: str | None = "int8", interpret: bool | None = None) -> InstallReport:
   """Install packed attention on every self-attention of a diffusers transformer that it
   can serve (this module's docstring says which and how they are recognised).
 
@@ -759,6 +779,8 @@ def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, s
   storage: a ``formats.KVStorage`` (None: every block int4), e.g.
   ``KVStorage(token_ranges=[(0, 4096, "int8")])`` for an int8 prefix; its token ranges
   fit any sequence length. The settings are checked here, before anything is installed.
+  text_class: joint text+video attention's text tokens are stored at least at this
+  class (default int8; None: as ``storage`` says).
 
   Returns an ``InstallReport`` (a dict: module name -> ``"installed"`` or the reason it
   stays stock; ``.installed`` lists the names now on packed attention), also logged at
@@ -770,6 +792,8 @@ def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, s
     raise ValueError(f"use_packed_attention expects a diffusers transformer (a torch nn.Module such as "
                      f"WanTransformer3DModel), got {type(transformer).__name__}")
   attention, storage = as_attention(attention), as_storage(storage)
+  if text_class is not None and text_class not in CLASSES:
+    raise ValueError(f"text_class must be one of {CLASSES} or None, got {text_class!r}")
   report = attention_report(transformer)
   if not report.installed:
     if not report:
@@ -782,8 +806,9 @@ def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, s
   for name in report.installed:
     module = modules[name]
     cls = SERVED[_key(_stock_processor(module))]
+    joint = dict(text_class=text_class) if getattr(cls, "joint", False) else {}
     module.set_processor(cls(module, attention=attention, storage=storage, interpret=interpret,
-                             stock=_stock_processor(module)))
+                             stock=_stock_processor(module), **joint))
   for name, outcome in report.items():
     log.info("use_packed_attention: %s (%s): %s", name or "<root>", report.kinds[name],
              f"installed {type(modules[name].processor).__name__}" if outcome == INSTALLED else outcome)
