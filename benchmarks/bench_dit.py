@@ -1,8 +1,11 @@
-"""One Wan 14B self-attention block at real size: stock diffusers (SDPA) against our
-processor (``torch_bridge.diffusers``), in the user's 12 GiB budget.
+"""One Wan 14B self-attention block (or a HunyuanVideo joint block) at real size: stock
+diffusers (SDPA) against our processor (``torch_bridge.diffusers``), in the user's 12 GiB
+budget.
 
   python -m benchmarks.bench_dit                       # T = 75,600 and 151,200, then the largest T each
+  python -m benchmarks.bench_dit --block hunyuan --tokens 75600
   python -m benchmarks.bench_dit --cpu-smoke           # a tiny WanAttention in interpret mode
+  python -m benchmarks.bench_dit --block hunyuan --cpu-smoke
   python -m benchmarks.bench_dit --parity              # every served family, per attention module (CPU)
   python -m benchmarks.bench_dit --parity --families wan ltx2
 
@@ -18,6 +21,13 @@ same module after ``use_packed_attention`` (dense, int4 K/V). Then the largest T
 of 4,096, on the same grid's aspect) each completes. On the GPU machine diffusers
 travels as a wheel (benchmarks/README.md). Writes ``results/dit_<card>_<date>.json`` and
 the scorecard ``dit.wan14b_*``.
+
+``--block hunyuan``: diffusers' HunyuanVideo dual-stream ``Attention`` (hidden 3072, 24
+heads x 128, text through ``add_q_proj``..., per-head RMSNorm, eps 1e-6) with
+``HunyuanVideoAttnProcessor2_0``: T video tokens (RoPE from ``HunyuanVideoRotaryPosEmbed``
+on the same grid) joined by ``--text-tokens`` text tokens (256), the last quarter masked
+as padding, as the model passes it (``attention_mask`` (1, 1, 1, N) bool). Scorecard
+``dit.hunyuan_*``.
 
 ``--parity`` (CPU, interpret mode) runs ``benchmarks.tiny_dits.module_parity`` on a tiny
 random model of every family ``torch_bridge.diffusers`` serves: each attention module we
@@ -43,7 +53,9 @@ if ROOT not in sys.path:
 from benchmarks import common  # noqa: E402
 
 WAN14B = dict(hidden=5120, heads=40, head_dim=128, eps=1e-6)
-SMOKE = dict(hidden=128, heads=2, head_dim=64, eps=1e-6)
+HUNYUAN = dict(hidden=3072, heads=24, head_dim=128, eps=1e-6, rope_axes=(16, 56, 56))
+SMOKE = dict(hidden=128, heads=2, head_dim=64, eps=1e-6, rope_axes=(16, 24, 24))
+SCORE_PREFIX = {"wan": "dit.wan14b", "hunyuan": "dit.hunyuan"}
 TOKENS = (75_600, 151_200)
 STEP = 4096
 FRAME_TOKENS = 45 * 80  # one latent frame of 720p video, in 2x2 patches
@@ -65,7 +77,8 @@ def child(cfg: dict) -> dict:
   from torch_bridge.diffusers import use_packed_attention
 
   smoke = cfg.get("cpu_smoke", False)
-  shape = SMOKE if smoke else WAN14B
+  block = cfg.get("block", "wan")
+  shape = SMOKE if smoke else {"wan": WAN14B, "hunyuan": HUNYUAN}[block]
   cuda = not smoke
   dev = torch.device("cuda" if cuda else "cpu")
   gib, t = common.GIB, cfg["tokens"]
@@ -77,16 +90,20 @@ def child(cfg: dict) -> dict:
     hog = [torch.empty(free - budget, dtype=torch.uint8, device=dev)] if free > budget else []
   torch.manual_seed(0)
   d = shape["head_dim"]
-  attn = WanAttention(shape["hidden"], heads=shape["heads"], dim_head=d, eps=shape["eps"],
-                      processor=WanAttnProcessor()).to(dev, torch.bfloat16)
-  attn = attn.eval().requires_grad_(False)
   frames, height, width = _grid(t, smoke)
-  rope = WanRotaryPosEmbed(d, (1, 2, 2), max_seq_len=max(1024, frames, height, width))
-  latent = torch.empty(1, 1, frames, 2 * height, 2 * width, device="meta")
-  with torch.no_grad():
-    cos, sin = rope(latent)  # (1, T, 1, D) f32, computed from the grid's shape alone
-    rotary = (cos.to(dev), sin.to(dev))
-    x = torch.randn(1, t, shape["hidden"], dtype=torch.bfloat16, device=dev)
+  if block == "hunyuan":
+    attn, call = _hunyuan_block(shape, t, cfg["text_tokens"], (frames, height, width), dev)
+  else:
+    attn = WanAttention(shape["hidden"], heads=shape["heads"], dim_head=d, eps=shape["eps"],
+                        processor=WanAttnProcessor()).to(dev, torch.bfloat16)
+    attn = attn.eval().requires_grad_(False)
+    rope = WanRotaryPosEmbed(d, (1, 2, 2), max_seq_len=max(1024, frames, height, width))
+    latent = torch.empty(1, 1, frames, 2 * height, 2 * width, device="meta")
+    with torch.no_grad():
+      cos, sin = rope(latent)  # (1, T, 1, D) f32, computed from the grid's shape alone
+      rotary = (cos.to(dev), sin.to(dev))
+      x = torch.randn(1, t, shape["hidden"], dtype=torch.bfloat16, device=dev)
+    call = lambda: attn(x, None, None, rotary)
   if cfg["variant"] == "packed":
     use_packed_attention(attn, interpret=True if smoke else None)
   filler = None
@@ -102,7 +119,7 @@ def child(cfg: dict) -> dict:
     t0 = time.perf_counter()
     try:
       with torch.no_grad(), (common.LowWater() if cuda else contextlib.nullcontext()) as lw:
-        y = attn(x, None, None, rotary)
+        y = call()
         if cuda:
           torch.cuda.synchronize()
       times.append(time.perf_counter() - t0)
@@ -117,6 +134,31 @@ def child(cfg: dict) -> dict:
   rec["time_s"] = statistics.median(times[1:]) if len(times) > 1 else None
   rec["card"] = torch.cuda.get_device_name() if cuda else "cpu"
   return rec
+
+
+def _hunyuan_block(shape: dict, t: int, text_tokens: int, grid: tuple, dev):
+  """A HunyuanVideo dual-stream attention module and a call of it as the model makes
+  one: video tokens, text tokens (the last quarter masked as padding), RoPE on the video."""
+  import torch
+  from diffusers.models.attention_processor import Attention
+  from diffusers.models.transformers.transformer_hunyuan_video import (HunyuanVideoAttnProcessor2_0,
+                                                                        HunyuanVideoRotaryPosEmbed)
+  hidden = shape["hidden"]
+  attn = Attention(query_dim=hidden, cross_attention_dim=None, added_kv_proj_dim=hidden, dim_head=shape["head_dim"],
+                   heads=shape["heads"], out_dim=hidden, context_pre_only=False, bias=True,
+                   processor=HunyuanVideoAttnProcessor2_0(), qk_norm="rms_norm", eps=shape["eps"])
+  attn = attn.to(dev, torch.bfloat16).eval().requires_grad_(False)
+  frames, height, width = grid
+  rope = HunyuanVideoRotaryPosEmbed(2, 1, list(shape["rope_axes"]))
+  with torch.no_grad():
+    latent = torch.empty(1, 1, frames, 2 * height, 2 * width, device=dev, dtype=torch.bfloat16)
+    rotary = rope(latent)   # (T, D) cos and sin, f32
+    del latent
+    x = torch.randn(1, t, hidden, dtype=torch.bfloat16, device=dev)
+    text = torch.randn(1, text_tokens, hidden, dtype=torch.bfloat16, device=dev)
+    keep = torch.arange(t + text_tokens, device=dev) < t + text_tokens - text_tokens // 4
+    mask = keep.view(1, 1, 1, -1)
+  return attn, lambda: attn(x, encoder_hidden_states=text, attention_mask=mask, image_rotary_emb=rotary)
 
 
 def spawn(cfg: dict, timeout: int) -> dict:
@@ -171,6 +213,9 @@ def parity_run(out=None, families=None, classes=("bf16", "int8", "int4")) -> dic
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--block", default="wan", choices=("wan", "hunyuan"),
+                  help="Wan 14B self-attention, or a HunyuanVideo-size joint text+video block")
+  ap.add_argument("--text-tokens", type=int, default=256, help="--block hunyuan: text tokens (a quarter masked)")
   ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
   ap.add_argument("--budget-gib", type=float, default=11.94)
   ap.add_argument("--held-gib", type=float, default=6.09)
@@ -189,8 +234,9 @@ def main(argv=None):
   if args.parity:
     return parity_run(args.out, args.families)
   if args.cpu_smoke:
-    args.tokens, args.calls, args.no_search = [200], 2, True
-  base = dict(budget_gib=args.budget_gib, held_gib=args.held_gib, calls=args.calls, cpu_smoke=args.cpu_smoke)
+    args.tokens, args.calls, args.no_search, args.text_tokens = [200], 2, True, min(args.text_tokens, 24)
+  base = dict(budget_gib=args.budget_gib, held_gib=args.held_gib, calls=args.calls, cpu_smoke=args.cpu_smoke,
+              block=args.block, text_tokens=args.text_tokens)
   rows = []
   for t in args.tokens:
     for variant in ("stock", "packed"):
@@ -211,19 +257,19 @@ def main(argv=None):
       max_tokens[variant] = common.largest_passing(run, start, STEP, args.search_runs)
       print(f"largest T, {variant}: {max_tokens[variant]}", flush=True)
   out = args.out or (os.path.join("/tmp", "dit_cpu_smoke.json") if args.cpu_smoke
-                     else common.result_path("dit", card))
+                     else common.result_path("dit" if args.block == "wan" else f"dit_{args.block}", card))
   rec = common.run_record() | {"card": card, "args": vars(args), "rows": rows, "max_tokens": max_tokens}
   common.write_json(out, rec)
   by = {(r["variant"], r["tokens"]): r for r in rows if not r.get("search")}
   stock, ours = by.get(("stock", TOKENS[0]), {}), by.get(("packed", TOKENS[0]), {})
   if args.cpu_smoke or not ours.get("ok"):
     return rec
-  entries = {}
+  entries, prefix = {}, SCORE_PREFIX[args.block]
   if stock.get("ok"):  # in the user's budget the stock block may not run at all
-    entries["dit.wan14b_peak_ratio_75k"] = stock["peak_above_free_gib"] / ours["peak_above_free_gib"]
-    entries["dit.wan14b_time_vs_stock_75k"] = ours["time_s"] / stock["time_s"]
+    entries[f"{prefix}_peak_ratio_75k"] = stock["peak_above_free_gib"] / ours["peak_above_free_gib"]
+    entries[f"{prefix}_time_vs_stock_75k"] = ours["time_s"] / stock["time_s"]
   mt = {v: (max_tokens.get(v) or {}).get("largest_passed") for v in ("stock", "packed")}
-  if mt["stock"] and mt["packed"]:
+  if mt["stock"] and mt["packed"] and args.block == "wan":
     entries["dit.wan14b_max_tokens_ratio"] = mt["packed"] / mt["stock"]
   common.update_scorecard(entries, card=card, source=out, command=rec["command"])
   return rec

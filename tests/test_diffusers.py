@@ -276,16 +276,18 @@ def test_calls_a_served_module_cannot_take_name_the_fix():
     model.visual_transformer_blocks[0].self_attention(x, encoder_hidden_states=x)
 
 
-def test_wan_block_benchmark_smoke(tmp_path):
-  """benchmarks/bench_dit.py's rows run (tiny WanAttention, stock and packed, CPU)."""
+@pytest.mark.parametrize("block", ["wan", "hunyuan"])
+def test_block_benchmark_smoke(tmp_path, block):
+  """benchmarks/bench_dit.py's rows run (a tiny WanAttention or HunyuanVideo joint
+  block, stock and packed, CPU)."""
   import json
   import os
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = tmp_path / "dit.json"
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_dit", "--cpu-smoke", "--out", str(out)], cwd=root,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_dit", "--cpu-smoke", "--block", block, "--out",
+                         str(out)], cwd=root, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads(out.read_text())["rows"]
   assert [(r["variant"], r["ok"]) for r in rows] == [("stock", True), ("packed", True)], rows
