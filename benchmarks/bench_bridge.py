@@ -112,7 +112,8 @@ def bench_shape(shape, device, interpret, warmup, iters) -> dict:
 
   scratch = DEFAULT_SCRATCH_BYTES
   layout = QKVLayout.h3(h, d, rot)
-  qkv_args = (x, w, None, qn, kn, cos, sin, layout.to_json(), storage.to_json(), "auto", scratch, interpret)
+  qkv_args = (x, w, None, qn, kn, cos, sin, layout.to_json(), storage.to_json(), "auto", scratch,
+              None, None, None, None, None, interpret)   # no added tokens
   jx = dlpack.to_jax(x, "x")
   jweights = QKVWeights(dlpack.to_jax(w, "w"), None, dlpack.to_jax(qn, "qn"), dlpack.to_jax(kn, "kn"))
   jkw = dict(rope_cos=dlpack.to_jax(cos, "cos"), rope_sin=dlpack.to_jax(sin, "sin"), layout=layout,

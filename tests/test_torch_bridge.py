@@ -264,6 +264,14 @@ def test_layer_op_with_added_tokens_equals_jax_and_checks_them(setup):
                               added=jqkv.AddedTokens(dlpack.to_jax(xa, "xa"), _jax_weights(wa)),
                               **_jax_kwargs(s["kw"]))
   assert torch.equal(o, torch.from_dlpack(jo))
+  q, packed = tb.streamed_qkv(x, s["weights"], layout=layout, rope_cos=s["cos"], rope_sin=s["sin"], storage=storage,
+                              added=tb.AddedTokens(xa, wa))
+  jq, jpacked = jqkv.streamed_qkv(dlpack.to_jax(x, "x"), _jax_weights(s["weights"]), storage=storage,
+                                  added=jqkv.AddedTokens(dlpack.to_jax(xa, "xa"), _jax_weights(wa)),
+                                  **_jax_kwargs(s["kw"]))
+  assert q.shape == (B, T, H, D) and packed.meta.num_tokens == T and torch.equal(q, torch.from_dlpack(jq))
+  for name in formats.ARRAY_NAMES:
+    assert torch.equal(packed.tensors[name], torch.from_dlpack(jpacked.arrays[name])), name
   args = (x, s["w"], None, s["weights"].q_norm_weight, s["weights"].k_norm_weight, s["cos"], s["sin"],
           layout.to_json(), storage.to_json(), Dense().to_json(), None, None, None, xa, wa.w_qkv, wa.bias,
           wa.q_norm_weight, wa.k_norm_weight)
@@ -564,7 +572,8 @@ def test_opcheck(setup, mixed):
   kw, wts = s["kw"], s["weights"]
   scratch = DEFAULT_SCRATCH_BYTES
   qkv_args = (s["x"], s["w"], None, wts.q_norm_weight, wts.k_norm_weight, kw["rope_cos"], kw["rope_sin"],
-              kw["layout"].to_json(), KVStorage(block_classes=MIXED).to_json(), "auto", scratch, None)
+              kw["layout"].to_json(), KVStorage(block_classes=MIXED).to_json(), "auto", scratch, None, None, None,
+              None, None, None)
   utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
   torch.library.opcheck(torch.ops.packed_kv.streamed_qkv, qkv_args, test_utils=utils)
   attn_args = (mixed["q"], *ops._packed_args(mixed["packed"]), Dense().to_json(), None, None, None, None, False,

@@ -17,7 +17,8 @@ below wrap the ops for torch callers (``TorchPackedKV`` for the packed K/V);
 Ops (schemas are printed by ``print(torch.ops.packed_kv.<name>.default._schema)``):
 
 * ``packed_kv::streamed_qkv(x, w_qkv, bias?, q_norm_weight?, k_norm_weight?, rope_cos,
-  rope_sin, layout, storage, method, scratch_bytes, interpret?) -> (q, *packed)``.
+  rope_sin, layout, storage, method, scratch_bytes, added_x?, added_w_qkv?, added_bias?,
+  added_q_norm_weight?, added_k_norm_weight?, interpret?) -> (q, *packed)``.
 * ``packed_kv::packed_attention(q, packed[16], num_tokens, storage, attention,
   q_segment_ids?, kv_segment_ids?, kv_mask?, kv_lengths?, keep_rotated, interpret?) -> o``.
 * ``packed_kv::sol_attention(q, packed[16], num_tokens, storage, attention, key_bias?,
@@ -167,6 +168,51 @@ def _qkv_meta(x, weights: QKVWeights, rope_cos, rope_sin, layout: QKVLayout, sto
     raise dlpack.BridgeError(f"projection inputs rejected: {e}") from None
 
 
+def _added_rows(x, added_x, added_weights: QKVWeights, layout: QKVLayout, *, real: bool) -> int:
+  """Joint attention's added tokens checked against x and the layout; their count (0
+  without them)."""
+  if added_x is None:
+    if added_weights is not None and added_weights.w_qkv is not None:
+      raise dlpack.BridgeError("added_w_qkv given without added_x: joint attention needs both "
+                               "(AddedTokens(x, weights))")
+    return 0
+  _check(added_x, "added_x", real=real, dtype=torch.bfloat16, ndim=3, device=x.device)
+  b_added, added_rows, added_hidden = added_x.shape
+  if b_added != x.shape[0]:
+    raise dlpack.BridgeError(f"added_x has {b_added} batch rows, x has {x.shape[0]}: they must match")
+  _check(added_weights.w_qkv, "added_w_qkv", real=real, dtype=torch.bfloat16, shape=(added_hidden, layout.width),
+         device=x.device)
+  _check(added_weights.bias, "added_bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,),
+         device=x.device)
+  for name in ("q_norm_weight", "k_norm_weight"):
+    _check(getattr(added_weights, name), "added_" + name, real=real, dtype=torch.float32, device=x.device)
+  try:
+    layout.check_norm_weights(added_weights.q_norm_weight, added_weights.k_norm_weight)
+  except ValueError as e:
+    raise dlpack.BridgeError(f"added tokens' weights rejected: {e}") from None
+  return added_rows
+
+
+def _added_inputs(added_x, added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight) -> dict:
+  return {"added_x": added_x, "added_w_qkv": added_w_qkv, "added_bias": added_bias,
+          "added_q_norm_weight": added_q_norm_weight, "added_k_norm_weight": added_k_norm_weight}
+
+
+def _jax_added(j: dict) -> AddedTokens | None:
+  if j["added_x"] is None:
+    return None
+  return AddedTokens(j["added_x"], QKVWeights(j["added_w_qkv"], j["added_bias"], j["added_q_norm_weight"],
+                                              j["added_k_norm_weight"]))
+
+
+def _added_args(added: AddedTokens | None) -> tuple:
+  """The op's five added_* arguments of an ``AddedTokens`` of torch tensors (or Nones)."""
+  if added is None:
+    return (None,) * 5
+  w = added.weights
+  return (added.x, w.w_qkv, w.bias, w.q_norm_weight, w.k_norm_weight)
+
+
 def _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin) -> dict:
   return {"x": x, "w_qkv": w_qkv, "bias": bias, "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight,
           "rope_cos": rope_cos, "rope_sin": rope_sin}
@@ -180,15 +226,22 @@ def _jax_weights(j: dict) -> QKVWeights:
 def _streamed_qkv_op(
     x: torch.Tensor, w_qkv: torch.Tensor, bias: Optional[torch.Tensor], q_norm_weight: Optional[torch.Tensor],
     k_norm_weight: Optional[torch.Tensor], rope_cos: torch.Tensor, rope_sin: torch.Tensor, layout: str,
-    storage: str, method: str, scratch_bytes: int, interpret: Optional[bool],
+    storage: str, method: str, scratch_bytes: int, added_x: Optional[torch.Tensor],
+    added_w_qkv: Optional[torch.Tensor], added_bias: Optional[torch.Tensor],
+    added_q_norm_weight: Optional[torch.Tensor], added_k_norm_weight: Optional[torch.Tensor],
+    interpret: Optional[bool],
 ) -> _QKV_RESULT:
   lay, st = _layout(layout), _storage(storage)
-  meta = _qkv_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, st, real=True)
+  added = _weights(added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight)
+  meta = _qkv_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, st, real=True,
+                   extra_rows=_added_rows(x, added_x, added, lay, real=True))
   inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
+  inputs |= _added_inputs(added_x, added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight)
   _enter_jax(inputs, interpret)
   j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
   q, packed = jqkv.streamed_qkv(j["x"], _jax_weights(j), layout=lay, rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
-                                storage=st, method=method, scratch_bytes=int(scratch_bytes), interpret=interpret)
+                                storage=st, added=_jax_added(j), method=method, scratch_bytes=int(scratch_bytes),
+                                interpret=interpret)
   if packed.meta != meta:
     raise dlpack.BridgeError(f"kernel returned packed K/V metadata {packed.meta}, expected {meta}")
   # Outputs are imported (queuing torch's wait on JAX) before the JAX views of the
@@ -198,19 +251,20 @@ def _streamed_qkv_op(
 
 @_streamed_qkv_op.register_fake
 def _streamed_qkv_fake(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin, layout, storage, method,
-                       scratch_bytes, interpret):
+                       scratch_bytes, added_x, added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight,
+                       interpret):
   lay = _layout(layout)
+  added = _weights(added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight)
   meta = _qkv_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay,
-                   _storage(storage), real=False)
-  b, t, _ = x.shape
-  q = x.new_empty((b, t, lay.heads, lay.head_dim), dtype=torch.bfloat16)
+                   _storage(storage), real=False, extra_rows=_added_rows(x, added_x, added, lay, real=False))
+  q = x.new_empty((meta.batch, meta.num_tokens, lay.heads, lay.head_dim), dtype=torch.bfloat16)
   specs = torch_buffer_specs(meta)
   return (q, *(x.new_empty(specs[n][0], dtype=specs[n][1]) for n in ARRAY_NAMES))
 
 
 def streamed_qkv(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor, storage: KVStorage | None = None, method: str = "auto",
-                 scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+                 rope_sin: torch.Tensor, storage: KVStorage | None = None, added: AddedTokens | None = None,
+                 method: str = "auto", scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
                  interpret: bool | None = None) -> tuple[torch.Tensor, TorchPackedKV]:
   """Torch front end of ``pallas_kernels.streamed_qkv``.
 
@@ -218,6 +272,7 @@ def streamed_qkv(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, rop
   ``QKVLayout``; ``storage``: a ``formats.KVStorage``, None for every block int4),
   torch tensors in and out: returns Q (B, T, H, D) bf16 in the rotated basis and the
   packed K/V as a ``TorchPackedKV`` whose tensors are the kernel's own output buffers.
+  ``added``: an ``AddedTokens`` of torch tensors (joint attention; T + T_added rows out).
   """
   storage = as_storage(storage)
   if not isinstance(weights, QKVWeights):
@@ -225,8 +280,9 @@ def streamed_qkv(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, rop
                              f"torch tensors, got {type(weights).__name__}")
   out = torch.ops.packed_kv.streamed_qkv(x, weights.w_qkv, weights.bias, weights.q_norm_weight,
                                          weights.k_norm_weight, rope_cos, rope_sin, layout.to_json(),
-                                         storage.to_json(), method, int(scratch_bytes), interpret)
-  meta = storage.meta(x.shape[0], layout.heads, layout.head_dim, x.shape[1])
+                                         storage.to_json(), method, int(scratch_bytes), *_added_args(added),
+                                         interpret)
+  meta = storage.meta(x.shape[0], layout.heads, layout.head_dim, out[0].shape[1])
   return out[0], TorchPackedKV.from_tuple(meta, out[1:])
 
 
@@ -404,25 +460,8 @@ def sol_attention(q: torch.Tensor, packed: TorchPackedKV, attention: Sol | None 
 # --------------------------------------------------------------------------------------
 def _layer_meta(x, weights, rope_cos, rope_sin, layout, storage, attention, segment_ids, kv_mask, kv_lengths, *,
                 real: bool, added_x=None, added_weights=None) -> PackedKVMeta:
-  added_rows = 0
-  if added_x is None and added_weights is not None and added_weights.w_qkv is not None:
-    raise dlpack.BridgeError("added_w_qkv given without added_x: joint attention needs both (AddedTokens(x, weights))")
-  if added_x is not None:   # joint attention: the added tokens' own projection, then x's
-    _check(added_x, "added_x", real=real, dtype=torch.bfloat16, ndim=3, device=x.device)
-    b_added, added_rows, added_hidden = added_x.shape
-    if b_added != x.shape[0]:
-      raise dlpack.BridgeError(f"added_x has {b_added} batch rows, x has {x.shape[0]}: they must match")
-    _check(added_weights.w_qkv, "added_w_qkv", real=real, dtype=torch.bfloat16, shape=(added_hidden, layout.width),
-           device=x.device)
-    _check(added_weights.bias, "added_bias", real=real, dtype=(torch.bfloat16, torch.float32),
-           shape=(layout.width,), device=x.device)
-    for name in ("q_norm_weight", "k_norm_weight"):
-      _check(getattr(added_weights, name), "added_" + name, real=real, dtype=torch.float32, device=x.device)
-    try:
-      layout.check_norm_weights(added_weights.q_norm_weight, added_weights.k_norm_weight)
-    except ValueError as e:
-      raise dlpack.BridgeError(f"added tokens' weights rejected: {e}") from None
-  meta = _qkv_meta(x, weights, rope_cos, rope_sin, layout, storage, real=real, extra_rows=added_rows)
+  meta = _qkv_meta(x, weights, rope_cos, rope_sin, layout, storage, real=real,
+                   extra_rows=_added_rows(x, added_x, added_weights, layout, real=real))
   try:
     jlayer.check_attention(attention, (segment_ids, kv_mask, kv_lengths))
   except ValueError as e:
@@ -451,18 +490,13 @@ def _attention_layer_op(
   _layer_meta(x, _weights(w_qkv, bias, q_norm_weight, k_norm_weight), rope_cos, rope_sin, lay, st, cfg,
               segment_ids, kv_mask, kv_lengths, real=True, added_x=added_x, added_weights=added)
   inputs = _projection_inputs(x, w_qkv, bias, q_norm_weight, k_norm_weight, rope_cos, rope_sin)
-  inputs |= {"segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths, "added_x": added_x,
-             "added_w_qkv": added_w_qkv, "added_bias": added_bias, "added_q_norm_weight": added_q_norm_weight,
-             "added_k_norm_weight": added_k_norm_weight}
+  inputs |= {"segment_ids": segment_ids, "kv_mask": kv_mask, "kv_lengths": kv_lengths}
+  inputs |= _added_inputs(added_x, added_w_qkv, added_bias, added_q_norm_weight, added_k_norm_weight)
   _enter_jax(inputs, interpret)
   j = {name: dlpack.to_jax(t, name) for name, t in inputs.items()}
-  joint = None
-  if added_x is not None:
-    joint = AddedTokens(j["added_x"], QKVWeights(j["added_w_qkv"], j["added_bias"], j["added_q_norm_weight"],
-                                                 j["added_k_norm_weight"]))
   o = jlayer.attention_layer(j["x"], _jax_weights(j), layout=lay, rope_cos=j["rope_cos"], rope_sin=j["rope_sin"],
                              storage=st, attention=cfg, segment_ids=j["segment_ids"], kv_mask=j["kv_mask"],
-                             kv_lengths=j["kv_lengths"], added=joint, interpret=interpret)
+                             kv_lengths=j["kv_lengths"], added=_jax_added(j), interpret=interpret)
   return dlpack.to_torch(o, "o")
 
 
@@ -499,11 +533,7 @@ def attention_layer(x: torch.Tensor, weights: QKVWeights, *, layout: QKVLayout, 
                                                            else storage),
                                              settings_json(as_attention(attention) if not isinstance(attention, str)
                                                            else attention),
-                                             segment_ids, kv_mask, kv_lengths,
-                                             *((None,) * 5 if added is None else
-                                               (added.x, added.weights.w_qkv, added.weights.bias,
-                                                added.weights.q_norm_weight, added.weights.k_norm_weight)),
-                                             interpret)
+                                             segment_ids, kv_mask, kv_lengths, *_added_args(added), interpret)
 
 
 def settings_json(value) -> str:
