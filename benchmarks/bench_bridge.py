@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import platform
 import statistics
 import subprocess
@@ -161,7 +162,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
   p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/"
-                 "bridge_overhead_h200.json, or bridge_overhead_cpu_smoke.json with --cpu-smoke)")
+                 "bridge_overhead_h200.json; with --cpu-smoke a file in the temp folder: a smoke run "
+                 "measures nothing worth keeping)")
   p.add_argument("--iters", type=int, default=None)
   p.add_argument("--warmup", type=int, default=None)
   p.add_argument("--shapes", default=None, help="comma-separated shape names to run")
@@ -180,7 +182,8 @@ def main(argv=None):
   if args.shapes:
     keep = set(args.shapes.split(","))
     shapes = [s for s in shapes if s["name"] in keep]
-  out_path = args.out or os.path.join(root, "benchmarks", "results", default_out)
+  out_dir = tempfile.gettempdir() if args.cpu_smoke else os.path.join(root, "benchmarks", "results")
+  out_path = args.out or os.path.join(out_dir, default_out)
 
   results = []
   for shape in shapes:
