@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
