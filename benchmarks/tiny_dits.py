@@ -24,7 +24,7 @@ from formats import KVStorage
 from torch_bridge.diffusers import attention_report, restore_stock_attention, use_packed_attention
 
 FAMILIES = ("wan", "wan_vace", "chronoedit", "skyreels_v2", "helios", "ltx", "ltx2", "cosmos", "minimax_h3",
-            "kandinsky5", "hunyuan_video")
+            "kandinsky5", "hunyuan_video", "cogvideox")
 """Every family served, by the name ``tiny_transformer`` takes."""
 
 TARGET_MODULE_COS = {"bf16": 0.999, "int8": 0.999, "int4": 0.998}
@@ -130,6 +130,21 @@ def tiny_transformer(name: str, *, layers: int = 2, seed: int | None = None, tex
     inputs = dict(hidden_states=torch.randn(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
                   encoder_hidden_states=torch.randn(1, n_text, 16), pooled_projections=torch.randn(1, 16),
                   encoder_attention_mask=(torch.arange(n_text) < n_text - 16)[None].long())
+  elif name == "cogvideox":
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    model = diffusers.CogVideoXTransformer3DModel(**dict(dict(
+        num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, num_layers=layers,
+        text_embed_dim=16, time_embed_dim=32, sample_width=16, sample_height=16, sample_frames=9,
+        use_rotary_positional_embeddings=True), **config))
+    with torch.no_grad():   # LayerNorm QK norms start at weight 1, bias 0: give them values to get right
+      for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm) and module.normalized_shape == (64,):
+          module.weight.normal_(1.0, 0.3)
+          module.bias.normal_(0.0, 0.3)
+    frames, h, w = 3, 8, 8   # latent frames, 2x2 patches of a 16 x 16 latent
+    cos, sin = get_3d_rotary_pos_embed(64, ((0, 0), (h, w)), (h, w), frames, device="cpu")
+    inputs = dict(hidden_states=torch.randn(1, frames, 4, 16, 16),
+                  encoder_hidden_states=torch.randn(1, text_tokens, 16), timestep=torch.tensor([500]), image_rotary_emb=(cos.float(), sin.float()))
   else:
     raise ValueError(f"name must be one of {FAMILIES}, got {name!r}")
   return _as_loaded_in_bf16(model).eval(), _bf16(inputs)

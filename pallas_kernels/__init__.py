@@ -30,7 +30,7 @@ from pallas_kernels.sol import sol_attention, sol_attention_reference
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["AddedTokens", "DEFAULT_SCRATCH_BYTES", "Dense", "ProjectionTuning", "QKVLayout", "QKVWeights", "Sol", "attention_layer",
-           "packed_attention", "packed_attention_lse", "packed_attention_reference", "required_bytes", "rope",
-           "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference", "streamed_qkv",
-           "streamed_qkv_reference"]
+__all__ = ["AddedTokens", "DEFAULT_SCRATCH_BYTES", "Dense", "ProjectionTuning", "QKVLayout", "QKVWeights", "Sol",
+           "attention_layer", "packed_attention", "packed_attention_lse", "packed_attention_reference",
+           "required_bytes", "rope", "segment_ids_from_cu_seqlens", "sol_attention", "sol_attention_reference",
+           "streamed_qkv", "streamed_qkv_reference"]

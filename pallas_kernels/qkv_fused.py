@@ -241,6 +241,8 @@ def unsupported_layout_reason(layout) -> str | None:
   head of a token tile, so neither a norm across heads nor per-head tables fit."""
   if layout.norm == "across":
     return "a QK norm across heads needs every head of a token at once"
+  if layout.norm == "head_layer":
+    return "a LayerNorm QK norm is applied by the chunked method's epilogue only"
   if layout.rope_per_head:
     return "per-head RoPE tables are read by the chunked method only"
   return None

@@ -3,7 +3,8 @@
 Video DiTs agree on ``q, k, v = x @ W (+ bias)`` and on attention, and differ in between:
 
 * QK norm: RMSNorm per head (weight (D,): MiniMax-H3, HunyuanVideo), across all heads
-  of a token (weight (H*D,): Wan, LTX-Video), or none.
+  of a token (weight (H*D,): Wan, LTX-Video), LayerNorm per head (weight and bias,
+  CogVideoX), or none.
 * RoPE: ``rope(x) = x * cos + partner(x) * sin`` on the channels ``[0, rot_dim)`` of each
   head, with the partner of the ``"half"`` style (rotate-half: channel c pairs with
   c + rot_dim/2; H3) or the ``"pairs"`` style (adjacent channels 2i, 2i+1, the complex
@@ -31,14 +32,15 @@ from formats.storage import json_fields
 
 from pallas_kernels.rope import STYLES as ROPE_STYLES
 
-NORMS = ("head", "across", "none")
+NORMS = ("head", "across", "head_layer", "none")
 
 
 @dataclasses.dataclass(frozen=True)
 class QKVLayout:
-  """heads x head_dim; ``norm`` in ``NORMS``; ``rope`` in ``ROPE_STYLES`` over the
-  first ``rot_dim`` channels of every head (None: all of them; 0: no RoPE); ``eps`` of
-  the RMSNorm;
+  """heads x head_dim; ``norm`` in ``NORMS`` (``"head"``: RMSNorm per head,
+  ``"across"``: RMSNorm over a token's H*D channels, ``"head_layer"``: LayerNorm per
+  head, ``"none"``); ``rope`` in ``ROPE_STYLES`` over the first ``rot_dim`` channels of
+  every head (None: all of them; 0: no RoPE); ``eps`` of the norm;
   ``rope_per_head``: the tables are (T, H*D), one set of frequencies per head."""
   heads: int
   head_dim: int
@@ -53,7 +55,8 @@ class QKVLayout:
       raise ValueError(f"heads must be a positive int, got {self.heads!r}")
     check_head_dim(self.head_dim)
     if self.norm not in NORMS:
-      raise ValueError(f"norm must be one of {NORMS} (per head, across heads, none), got {self.norm!r}")
+      raise ValueError(f"norm must be one of {NORMS} (RMSNorm per head, across heads, LayerNorm per head, none), "
+                       f"got {self.norm!r}")
     if self.rot_dim is None:
       object.__setattr__(self, "rot_dim", self.head_dim)
     if self.rope not in ROPE_STYLES:
@@ -87,8 +90,10 @@ class QKVLayout:
 
   @property
   def norm_width(self) -> int:
-    """Length of each norm weight: D per head, H*D across heads, 0 without a norm."""
-    return {"head": self.head_dim, "across": self.heads * self.head_dim, "none": 0}[self.norm]
+    """Length of each norm's parameter vector: D per head, H*D across heads, 2*D for a
+    LayerNorm per head (its weight, then its bias), 0 without a norm."""
+    return {"head": self.head_dim, "across": self.heads * self.head_dim, "head_layer": 2 * self.head_dim,
+            "none": 0}[self.norm]
 
   @property
   def table_width(self) -> int:
@@ -114,11 +119,16 @@ class QKVLayout:
 
 
 def rms_norm_reference(x, weight, layout: QKVLayout):
-  """x (B, T, H, D) float32: RMSNorm per head, across the heads of each token, or none."""
+  """x (B, T, H, D) float32: the layout's QK norm (RMSNorm per head or across the heads
+  of each token, LayerNorm per head), or none."""
   if layout.norm == "none":
     return x
   b, t, h, d = x.shape
   w = jnp.asarray(weight, jnp.float32)
+  if layout.norm == "head_layer":
+    centred = x - jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(var + layout.eps) * w[:d] + w[d:]
   if layout.norm == "head":
     ms = jnp.mean(x * x, axis=-1, keepdims=True)
     return x * jax.lax.rsqrt(ms + layout.eps) * w
@@ -133,8 +143,9 @@ class QKVWeights:
 
   w_qkv: (hidden, 3*H*D) bf16, columns [q heads | k heads | v heads].
   bias: (3*H*D,) bf16 or f32, or None.
-  q_norm_weight / k_norm_weight: f32 QK-norm weights, (D,) per head or (H*D,) across
-  heads as the ``QKVLayout`` says; None without a norm.
+  q_norm_weight / k_norm_weight: f32 QK-norm parameters, (D,) per head or (H*D,) across
+  heads as the ``QKVLayout`` says, (2*D,) = weight then bias for a LayerNorm per head;
+  None without a norm.
   """
   w_qkv: object
   bias: object = None

@@ -48,20 +48,32 @@ def norm_rope(lo, hi, nw_ref, cos_ref, sin_ref, p_ref, row0, rows, valid, *, dh,
   ``layout.norm``: ``head`` normalizes by this head's mean square; ``across`` by
   ``mean_square`` (rows,), the token's mean square over all heads, which the caller
   computes (no program sees every head), with this head's slice of the (H*D,) weight;
-  ``none`` skips both. ``head`` (traced) picks the weight slice and, with
+  ``head_layer`` centres the head's row, normalizes by its variance, then applies the
+  (2D,) parameters' weight and bias; ``none`` skips both. ``head`` (traced) picks the weight slice and, with
   ``layout.rope_per_head``, the table columns. ``added_nw_ref`` / ``added_rows`` (rows,)
   bool: joint attention's second norm weight, taken by the rows that are added tokens.
   """
   d = 2 * dh
   if layout.norm != "none":
-    ms = (jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / d if layout.norm == "head" else mean_square
+    if layout.norm == "head_layer":   # LayerNorm: centre the head's row first
+      mean = ((jnp.sum(lo, axis=1) + jnp.sum(hi, axis=1)) / d)[:, None]
+      lo, hi = lo - mean, hi - mean
+    ms = mean_square if layout.norm == "across" else (jnp.sum(lo * lo, axis=1) + jnp.sum(hi * hi, axis=1)) / d
     r = jax.lax.rsqrt(ms + layout.eps)[:, None]
     off = head * d if layout.norm == "across" else 0
-    w_lo, w_hi = load_halves(nw_ref, dh, off)
-    if added_nw_ref is not None:
-      a_lo, a_hi = load_halves(added_nw_ref, dh, off)
-      w_lo, w_hi = (jnp.where(added_rows[:, None], a, w) for a, w in ((a_lo, w_lo), (a_hi, w_hi)))
+
+    def params(off):   # the norm's (lo, hi) halves at ``off``, the added tokens' on their rows
+      p_lo, p_hi = load_halves(nw_ref, dh, off)
+      if added_nw_ref is not None:
+        a_lo, a_hi = load_halves(added_nw_ref, dh, off)
+        p_lo, p_hi = (jnp.where(added_rows[:, None], a, w) for a, w in ((a_lo, p_lo), (a_hi, p_hi)))
+      return p_lo, p_hi
+
+    w_lo, w_hi = params(off)
     lo, hi = lo * r * w_lo, hi * r * w_hi
+    if layout.norm == "head_layer":   # its bias follows its weight
+      b_lo, b_hi = params(d)
+      lo, hi = lo + b_lo, hi + b_hi
   if not quadrants:  # rot_dim == 0
     return lo, hi
   m = valid[:, None]

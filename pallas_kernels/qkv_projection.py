@@ -43,7 +43,8 @@ from pallas_kernels.qkv_epilogue import empty_buffers, epilogue_call, rotated_qk
 from pallas_kernels.qkv_layout import AddedTokens, QKVLayout, QKVWeights
 
 __all__ = ["AddedTokens", "GEMM_WORKSPACE_BYTES", "METHODS", "ProjectionTuning", "QKVLayout", "QKVWeights",
-           "check_inputs", "chunk_rows", "chunk_scratch_bytes", "projected_qkv_f32", "streamed_qkv", "streamed_qkv_reference"]
+           "check_inputs", "chunk_rows", "chunk_scratch_bytes", "projected_qkv_f32", "streamed_qkv",
+           "streamed_qkv_reference"]
 
 BLOCK = fmt.BLOCK
 METHODS = ("auto", "chunked", "fused")

@@ -55,6 +55,8 @@ SERVED = {  # family -> (modules installed, a refused module and the start of it
     "hunyuan_video": (["transformer_blocks.0.attn", "transformer_blocks.1.attn", "single_transformer_blocks.0.attn",
                        "single_transformer_blocks.1.attn"],
                       ("context_embedder.token_refiner.refiner_blocks.0.attn", "generic AttnProcessor2_0")),
+    # Joint through one projection, text first, LayerNorm QK norm per head.
+    "cogvideox": (["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"], None),
 }
 # Every family as built by tiny_transformer, and the variants that take another code path.
 VARIANTS = [pytest.param(name, {}, id=name) for name in FAMILIES] + [
@@ -110,6 +112,17 @@ def test_joint_attention_honours_the_text_padding(monkeypatch):
   assert sorted(failed) == sorted(r["report"].installed), r["modules"]
 
 
+def test_joint_attention_rotates_the_video_tokens_only(monkeypatch):
+  """Negative control for CogVideoX: its RoPE dropped (identity tables for every token)
+  fails every module; the text rows it skips are what the tables' identity rows say."""
+  from torch_bridge.diffusers import PackedCogVideoXAttnProcessor
+  monkeypatch.setattr(PackedCogVideoXAttnProcessor, "joint_tables",
+                      lambda self, rope, tv, tt, device, text_first: self._identity_tables(tv + tt, device))
+  r = module_parity("cogvideox", ("int8",), layers=1)
+  failed = module_failures(r["modules"]["int8"], MIN_MODULE_COS["int8"])
+  assert sorted(failed) == sorted(r["report"].installed), r["modules"]
+
+
 def test_joint_attention_key_padding_rules():
   from torch_bridge.diffusers import _trailing_key_lengths
   n = 10
@@ -158,9 +171,6 @@ def _refused_models():
   """Tiny models of families packed attention does not serve (built, never run)."""
   torch.manual_seed(0)
   return {
-      "CogVideoX": diffusers.CogVideoXTransformer3DModel(
-          num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, num_layers=1, text_embed_dim=16,
-          time_embed_dim=32, sample_width=16, sample_height=16, sample_frames=9),
       "Mochi": diffusers.MochiTransformer3DModel(
           num_attention_heads=2, attention_head_dim=64, num_layers=2, pooled_projection_dim=16, in_channels=4,
           text_embed_dim=16, time_embed_dim=32),
@@ -172,7 +182,6 @@ def _refused_models():
 
 def test_refused_families_say_why():
   reasons = {family: attention_report(m) for family, m in _refused_models().items()}
-  assert reasons["CogVideoX"]["transformer_blocks.0.attn1"].startswith("joint text+video attention (CogVideoX")
   assert set(reasons["Mochi"].values()) == {
       "joint text+video attention (add_q_proj) under MochiAttnProcessor2_0: not supported yet"}
   assert reasons["Allegro"]["transformer_blocks.0.attn1"].startswith("RoPE rotate-half within each t/h/w third")
@@ -197,8 +206,10 @@ def test_module_attributes_decide():
   assert report(qk_norm=None) == "installed"
   assert report(qk_norm="rms_norm_across_heads", kv_heads=2) == "installed"
   assert report(dim_head=96, query_dim=192) == "head_dim 96 not supported (64 or 128)"
-  assert report(qk_norm="layer_norm") == "layer norm QK norm (LayerNorm): not supported (RMSNorm or none)"
-  assert report(qk_norm="l2") == "L2 QK norm (LpNorm): not supported (RMSNorm or none)"
+  assert report(qk_norm="layer_norm") == "installed"   # LayerNorm per head (CogVideoX's)
+  assert report(qk_norm="layer_norm_across_heads", kv_heads=2) == (
+      "LayerNorm over [128]: only per head (head_dim 64) is supported")
+  assert report(qk_norm="l2") == "L2 QK norm (LpNorm): not supported (RMSNorm, LayerNorm or none)"
   assert report(kv_heads=1, qk_norm=None).startswith("grouped-query attention (K/V width 64/64 for Q width 128)")
   assert report(cross_attention_dim=16).startswith("cross-attention")
   assert report(added_kv_proj_dim=16).startswith("joint text+video attention (add_k_proj)")

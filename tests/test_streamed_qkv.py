@@ -188,6 +188,7 @@ LAYOUTS = [
     ("across", "pairs", 64, False),
     ("across", "pairs", 64, True),
     ("head", "pairs", 48, False),
+    ("head_layer", "pairs", 64, False),   # CogVideoX: LayerNorm per head (weight and bias)
     ("none", "half", 32, False),
 ]
 
@@ -202,7 +203,7 @@ def test_layouts_match_reference(norm, rope_style, rot_dim, per_head):
   q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="chunked",
                            scratch_bytes=rows_scratch(64, x, 2, 64))
   check_against_reference(q, packed, x, wt, kw, storage)
-  if norm == "across" or per_head:
+  if norm in ("across", "head_layer") or per_head:
     with pytest.raises(NotImplementedError, match="use method='chunked'"):
       streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="fused")
   else:
@@ -230,6 +231,16 @@ def test_layout_reference_matches_the_models_own_formulas():
   want = np.stack([r.real, r.imag], -1).reshape(b, t, h, d)
   got = rope.apply_rope_reference(z, cos, sin, d, "pairs")
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  # CogVideoX's LayerNorm over each head (torch's own), weight then bias in one vector.
+  import torch
+  ln = torch.nn.LayerNorm(d, eps=1e-6)
+  with torch.no_grad():
+    ln.weight.normal_()
+    ln.bias.normal_()
+    want = ln(torch.from_numpy(z)).numpy()
+  params = np.concatenate([ln.weight.detach().numpy(), ln.bias.detach().numpy()])
+  got = rms_norm_reference(jnp.asarray(z), params, QKVLayout(h, d, "head_layer", "pairs", d, eps=1e-6))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("tuning", [
@@ -491,7 +502,7 @@ def test_chunked_epilogue_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_sch
   assert text.count("__gpu$xla.gpu.triton") == 2 and "qkv_epilogue" in text and "qkv_buffers" in text
 
 
-@pytest.mark.parametrize("norm", ["head", "across"])
+@pytest.mark.parametrize("norm", ["head", "across", "head_layer"])
 def test_joint_epilogue_lowers_to_triton_ir(norm):
   """Added tokens: the per-row choice of bias and norm weights lowers for CUDA, and the
   chunk loop holds the switch between the parts' GEMMs."""

@@ -342,6 +342,40 @@ def test_packed_attention_any_layout_matches_float32_torch_and_the_jax_layer(set
   assert torch.equal(got, mod.o_proj(torch.from_dlpack(jo).reshape(B, T, H * D)))
 
 
+def test_packed_attention_with_a_layer_norm_per_head(setup):
+  """CogVideoX's QK norm (``norm="head_layer"``): the module holds an nn.LayerNorm per q
+  and k (weight and bias keys, float32) and hands the op weight then bias; within bf16
+  rounding of the plain float32 block, whose norm is torch's own LayerNorm."""
+  s = setup
+  torch.manual_seed(2)
+  layout = QKVLayout(H, D, norm="head_layer", rope="pairs", eps=1e-6)
+  mod = tb.PackedAttention(HIDDEN, layout, storage=KVStorage(default="bf16"), qkv_bias=True).requires_grad_(False)
+  assert isinstance(mod.q_norm, torch.nn.LayerNorm) and "q_norm.bias" in mod.state_dict()
+  with torch.no_grad():
+    for norm in (mod.q_norm, mod.k_norm):
+      norm.weight.normal_(1.0, 0.3)
+      norm.bias.normal_(0.0, 0.3)
+  cos, sin = (torch.tensor(a) for a in rope_tables(rope_3d_angles(dit_grid(T, 20), freqs_per_axis=10), D, "pairs"))
+  got = mod(s["x"], cos, sin)
+  x = s["x"].float()
+  q, k, v = (x @ mod.qkv_proj.weight_t.float() + mod.qkv_proj.bias.float()).view(B, T, 3, H, D).unbind(2)
+
+  def rope(y):
+    partner = torch.stack([-y[..., 1::2], y[..., 0::2]], -1).flatten(-2)
+    return y * cos[:, None] + partner * sin[:, None]
+
+  q, k = rope(mod.q_norm(q)), rope(mod.k_norm(k))
+  o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+  want = mod.o_proj(o.transpose(1, 2).reshape(B, T, H * D).to(torch.bfloat16)).float()
+  qual = quality(got.float().numpy(), want.numpy())
+  assert qual["cos"] > 0.9995 and qual["rel_l2"] < 0.03, qual
+  # The same module with the norm's bias ignored is visibly off: the bias reaches the op.
+  with torch.no_grad():
+    mod.q_norm.bias.zero_()
+    mod.k_norm.bias.zero_()
+  assert quality(mod(s["x"], cos, sin).float().numpy(), want.numpy())["cos"] < 0.999
+
+
 def test_required_bytes_matches_the_buffers_of_a_call(setup, mixed):
   """The formula's terms are the buffers the CPU path allocates: Q, the packed K/V,
   one projection chunk, the streamed plan's scratch, the o_proj output."""

@@ -144,6 +144,16 @@ class KernelLayoutLinear(nn.Module):
     return out if self.bias is None else out + self.bias
 
 
+def _norm_params(norm):
+  """The op's norm parameters of a QK norm module: an RMSNorm's weight, a LayerNorm's
+  weight then bias (the layout's ``head_layer``), None without one."""
+  if norm is None:
+    return None
+  if isinstance(norm, nn.LayerNorm):
+    return torch.cat([norm.weight.float(), norm.bias.float()])
+  return norm.weight.float()
+
+
 class PackedAttention(nn.Module):
   """An attention block on ``torch.ops.packed_kv`` for any ``QKVLayout``.
 
@@ -159,8 +169,9 @@ class PackedAttention(nn.Module):
   interpret mode (None: on unless JAX has a GPU).
 
   Parameters: ``qkv_proj`` (kernel layout, ``state_dict`` keys of an ``nn.Linear``),
-  ``q_norm`` / ``k_norm`` (RMSNorm weights, (D,) per head or (H*D,) across heads,
-  float32; absent with ``norm="none"``), ``o_proj``.
+  ``q_norm`` / ``k_norm`` (RMSNorm weights, (D,) per head or (H*D,) across heads, or
+  ``nn.LayerNorm(D)`` weight and bias with ``norm="head_layer"``; float32; absent with
+  ``norm="none"``), ``o_proj``.
 
   ``forward(x, rope_cos, rope_sin, *, segment_ids=None, kv_mask=None, kv_lengths=None,
   storage=None)``: x (B, T, hidden) bf16; RoPE tables (T, D) float32, or (T, H*D) with
@@ -188,7 +199,10 @@ class PackedAttention(nn.Module):
     self.qkv_proj = KernelLayoutLinear(hidden, 3 * width, bias=qkv_bias, dtype=dtype, device=device)
     # Norm weights stay float32: the kernel's epilogue takes them in f32, and loading a
     # bf16 checkpoint into them is exact.
-    if layout.norm_width:
+    if layout.norm == "head_layer":
+      self.q_norm = nn.LayerNorm(layout.head_dim, layout.eps, dtype=torch.float32, device=device)
+      self.k_norm = nn.LayerNorm(layout.head_dim, layout.eps, dtype=torch.float32, device=device)
+    elif layout.norm_width:
       self.q_norm = RMSNorm(layout.norm_width, layout.eps, dtype=torch.float32, device=device)
       self.k_norm = RMSNorm(layout.norm_width, layout.eps, dtype=torch.float32, device=device)
     else:
@@ -211,9 +225,8 @@ class PackedAttention(nn.Module):
       raise dlpack.BridgeError(f"x must be (B, T, hidden={self.hidden}), got {list(x.shape)}; add a batch "
                                f"dimension with x[None] or check the model width this module was built for")
     b, t, _ = x.shape
-    weights = QKVWeights(self.qkv_proj.weight_t, self.qkv_proj.bias,
-                         None if self.q_norm is None else self.q_norm.weight.float(),
-                         None if self.k_norm is None else self.k_norm.weight.float())
+    weights = QKVWeights(self.qkv_proj.weight_t, self.qkv_proj.bias, _norm_params(self.q_norm),
+                         _norm_params(self.k_norm))
     layout_json, storage_json, attention_json = self._json
     if storage is not None:
       storage_json = settings_json(as_storage(storage))

@@ -21,7 +21,8 @@ model class:
 * The module's own attributes: q / k / v ``nn.Linear`` projections (``to_q`` ... or a
   fused ``to_qkv``, which is unfused first) of one width (no grouped-query attention),
   bias on all three or none, head dim 64 or 128, and its QK norms: ``RMSNorm`` over
-  head_dim (layout norm ``"head"``), over heads*head_dim (``"across"``) or none.
+  head_dim (layout norm ``"head"``), over heads*head_dim (``"across"``), torch's
+  ``LayerNorm`` over head_dim (``"head_layer"``) or none.
   Cross-attention (``is_cross_attention``) stays stock; added text projections
   (``add_q_proj`` / ``add_k_proj``) mean joint text+video attention, served where the
   convention knows how the model joins the text (HunyuanVideo), else left stock.
@@ -42,12 +43,13 @@ model class:
 | Cosmos Predict-1 (``Attention``) | ``CosmosAttnProcessor2_0`` -> ``PackedCosmosAttnProcessor`` | ``attn1`` (``is_cross_attention`` False) | RMSNorm over D | ``image_rotary_emb`` (cos, sin), each (S, D) -> ``half`` |
 | MiniMax-H3 (``MiniMaxH3Attention``) | ``MiniMaxH3AttnProcessor`` -> ``PackedH3AttnProcessor`` | every one (H3 has no cross-attention; the text refiner's run without RoPE) | RMSNorm over D | ``rotary_emb`` (cos, sin), each (S, rot_dim) -> ``half`` on the first rot_dim channels |
 | Kandinsky 5 (``Kandinsky5Attention``) | ``Kandinsky5AttnProcessor`` -> ``PackedKandinsky5AttnProcessor`` | the modules named ``self_attention`` (visual and text blocks) | RMSNorm over D (of float32 q / k) | ``rotary_emb`` 2x2 rotations (B, S, 1, D/2, 2, 2) -> ``pairs`` |
+| CogVideoX, ConsisID (``Attention``) | ``CogVideoXAttnProcessor2_0`` -> ``PackedCogVideoXAttnProcessor`` | joint text+video: text first, then video, through the one projection; no mask | LayerNorm over D | ``image_rotary_emb`` (cos, sin), each (S_video, D), video tokens only -> ``pairs``; none on CogVideoX-2b |
 | HunyuanVideo (``Attention``) | ``HunyuanVideoAttnProcessor2_0`` -> ``PackedHunyuanVideoAttnProcessor`` | joint text+video: dual-stream blocks (text through ``add_q_proj``... into the same packed K/V, ``AddedTokens``) and single-stream blocks (text joined before the one projection); text key padding -> key lengths | RMSNorm over D (text: ``norm_added_q/k``) | ``image_rotary_emb`` (cos, sin), each (S_video, D), video tokens only -> ``pairs`` |
 
 Left stock, with the reason in the report (``KNOWN_REFUSALS`` names the processors):
-joint text+video attention other than HunyuanVideo's (HunyuanVideo 1.5, whose mask also
-masks the padded text's queries; CogVideoX, ConsisID: LayerNorm QK norm; Mochi,
-EasyAnimate, Motif-Video), Allegro's RoPE
+joint text+video attention other than HunyuanVideo's and CogVideoX's (HunyuanVideo 1.5,
+whose mask also masks the padded text's queries; the fused-projection CogVideoX
+processor; Mochi, EasyAnimate, Motif-Video), Allegro's RoPE
 (rotate-half inside each t/h/w third of a head), linear attention (Sana-Video), the
 generic ``AttnProcessor2_0`` (text refiners, Latte: no RoPE, masks), LTX-2's perturbed
 processor, and any processor not listed above. Wan-Animate runs Wan's processor code
@@ -173,23 +175,32 @@ class _Spec:
     self.q_norm, self.k_norm = q_norm, k_norm
 
 
-def _rms_norm_facts(norm: nn.Module, what: str, input_dtype: torch.dtype):
-  """(normalized width, eps, weight or None) of an RMSNorm, or _Refused naming the norm."""
+def _norm_facts(norm: nn.Module, what: str, input_dtype: torch.dtype):
+  """(normalized width, eps, parameters or None, is_layer_norm) of a QK norm: an RMSNorm
+  (its weight) or a LayerNorm (weight then bias, ones and zeros without them), or
+  _Refused naming the norm."""
   from diffusers.models import normalization as dn
   if isinstance(norm, nn.RMSNorm):
     shape, eps = tuple(norm.normalized_shape), norm.eps
     # torch's RMSNorm without eps uses the machine epsilon of its input's dtype
     eps = float(torch.finfo(input_dtype).eps) if eps is None else float(eps)
-    return shape, eps, norm.weight
+    return shape, eps, norm.weight, False
   if isinstance(norm, dn.RMSNorm):
     if getattr(norm, "bias", None) is not None:
       raise _Refused(f"{what} is an RMSNorm with a bias: not supported")
-    return tuple(norm.dim), float(norm.eps), norm.weight
+    return tuple(norm.dim), float(norm.eps), norm.weight, False
+  if type(norm) is nn.LayerNorm:
+    shape = tuple(norm.normalized_shape)
+    ref = norm.weight if norm.weight is not None else norm.bias
+    dev = ref.device if ref is not None else None
+    w = norm.weight.detach().float() if norm.weight is not None else torch.ones(shape, device=dev)
+    b = norm.bias.detach().float() if norm.bias is not None else torch.zeros(shape, device=dev)
+    return shape, float(norm.eps), torch.cat([w, b]), True
   if isinstance(norm, nn.LayerNorm) or "LayerNorm" in type(norm).__name__:
-    raise _Refused(f"layer norm QK norm ({type(norm).__name__}): not supported (RMSNorm or none)")
+    raise _Refused(f"layer norm QK norm {type(norm).__name__}: not supported (RMSNorm, torch's LayerNorm or none)")
   if type(norm).__name__ == "LpNorm":
-    raise _Refused("L2 QK norm (LpNorm): not supported (RMSNorm or none)")
-  raise _Refused(f"QK norm {type(norm).__name__}: not supported (RMSNorm or none)")
+    raise _Refused("L2 QK norm (LpNorm): not supported (RMSNorm, LayerNorm or none)")
+  raise _Refused(f"QK norm {type(norm).__name__}: not supported (RMSNorm, LayerNorm or none)")
 
 
 def _module_spec(module: nn.Module, attrs: dict, input_dtype: torch.dtype) -> _Spec:
@@ -218,10 +229,14 @@ def _module_spec(module: nn.Module, attrs: dict, input_dtype: torch.dtype) -> _S
     return _Spec(q, k, v, heads, head_dim, "none", 1e-5, None, None)
   if norm_q is None or norm_k is None:
     raise _Refused("a QK norm on only one of q and k: not supported")
-  facts = [_rms_norm_facts(n, w, input_dtype) for n, w in ((norm_q, "norm_q"), (norm_k, "norm_k"))]
-  (shape, eps, wq), (shape_k, eps_k, wk) = facts
-  if shape != shape_k or eps != eps_k:
+  facts = [_norm_facts(n, w, input_dtype) for n, w in ((norm_q, "norm_q"), (norm_k, "norm_k"))]
+  (shape, eps, wq, layer), (shape_k, eps_k, wk, layer_k) = facts
+  if shape != shape_k or eps != eps_k or layer != layer_k:
     raise _Refused(f"norm_q and norm_k differ (over {shape} eps {eps} vs {shape_k} eps {eps_k})")
+  if layer:
+    if shape != (head_dim,):
+      raise _Refused(f"LayerNorm over {list(shape)}: only per head (head_dim {head_dim}) is supported")
+    return _Spec(q, k, v, heads, head_dim, "head_layer", eps, wq.contiguous(), wk.contiguous())
   kinds = {(head_dim,): "head", (heads * head_dim,): "across"}
   if shape not in kinds:
     raise _Refused(f"RMSNorm over {list(shape)}: neither head_dim ({head_dim}) nor heads*head_dim "
@@ -595,7 +610,40 @@ def _trailing_key_lengths(mask: torch.Tensor, n: int) -> torch.Tensor | None:
   return lengths
 
 
-class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
+class _PackedJointAttnProcessor(_PackedSelfAttnProcessor):
+  """The shared part of joint text+video attention: the text tokens' storage class and
+  the RoPE tables over both parts (the model's tables on the video tokens, cos 1 and
+  sin 0 on the text)."""
+
+  joint = True   # the text joins this attention (through its own projection or the module's)
+
+  def __init__(self, attn, *, text_class: str | None = "int8", **kw):
+    super().__init__(attn, **kw)
+    if text_class is not None and text_class not in CLASSES:
+      raise ValueError(f"text_class must be one of {CLASSES} or None, got {text_class!r}")
+    self.text_class = text_class
+
+  def text_storage(self, start: int, end: int) -> KVStorage | None:
+    """The storage with the text tokens [start, end) at ``text_class`` (None: as is; a
+    storage with fixed block classes is taken as the caller wrote it)."""
+    if self.text_class is None or self.storage.block_classes is not None:
+      return None
+    return dataclasses.replace(self.storage, token_ranges=self.storage.token_ranges + ((start, end, self.text_class),))
+
+  def tables(self, rotary_emb, t):
+    return _whole_head_tables(rotary_emb, t, self.head_dim)   # (S, D), repeat-interleaved pairs
+
+  def joint_tables(self, rotary_emb, t_video: int, t_text: int, device, *, text_first: bool):
+    """(cos, sin, rot_dim) over both parts, in the order they are joined."""
+    if rotary_emb is None:
+      return self._identity_tables(t_video + t_text, device)
+    cos, sin, rot_dim = self.tables(rotary_emb, t_video)
+    ident_cos, ident_sin, _ = self._identity_tables(t_text, device)
+    join = (lambda v, txt: torch.cat([txt, v], 0)) if text_first else (lambda v, txt: torch.cat([v, txt], 0))
+    return join(cos, ident_cos), join(sin, ident_sin), rot_dim
+
+
+class PackedHunyuanVideoAttnProcessor(_PackedJointAttnProcessor):
   """HunyuanVideo's joint text+video attention (``Attention`` with
   ``HunyuanVideoAttnProcessor2_0``) on packed K/V: one attention over the video tokens
   and the text tokens after them.
@@ -615,15 +663,11 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
   """
 
   family = "HunyuanVideo"
-  joint = True   # serves modules with added (text) projections
   added_attrs = dict(q="add_q_proj", k="add_k_proj", v="add_v_proj", norm_q="norm_added_q",
                      norm_k="norm_added_k", heads="heads")
 
-  def __init__(self, attn, *, text_class: str | None = "int8", **kw):
+  def __init__(self, attn, **kw):
     super().__init__(attn, **kw)
-    if text_class is not None and text_class not in CLASSES:
-      raise ValueError(f"text_class must be one of {CLASSES} or None, got {text_class!r}")
-    self.text_class = text_class
     self.added = None
     if getattr(attn, "add_q_proj", None) is not None:
       spec = _module_spec(attn, self.added_attrs, self.norm_input_dtype)
@@ -641,32 +685,16 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
                        f"{spec.head_dim} {spec.norm} eps {spec.eps}): not supported")
     return spec
 
-  def text_storage(self, start: int, end: int) -> KVStorage | None:
-    """The storage with the text tokens [start, end) at ``text_class`` (None: as is; a
-    storage with fixed block classes is taken as the caller wrote it)."""
-    if self.text_class is None or self.storage.block_classes is not None:
-      return None
-    return dataclasses.replace(self.storage, token_ranges=self.storage.token_ranges + ((start, end, self.text_class),))
-
-  def tables(self, rotary_emb, t):
-    return _whole_head_tables(rotary_emb, t, self.head_dim)   # (S, D), repeat-interleaved pairs
-
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
     self.check_weights(attn, hidden_states, self.attrs["q"], self.w_qkv)
     if encoder_hidden_states is None:
       if attention_mask is not None:
         self.check_self_attention(None, attention_mask)
       return self.attend(attn, hidden_states, image_rotary_emb)
-    b, t_video, _ = hidden_states.shape
-    t_text = encoder_hidden_states.shape[1]
+    t_video, t_text = hidden_states.shape[1], encoder_hidden_states.shape[1]
     n = t_video + t_text
     kv_lengths = None if attention_mask is None else _trailing_key_lengths(attention_mask, n)
-    if image_rotary_emb is None:
-      cos, sin, rot_dim = self._identity_tables(n, hidden_states.device)
-    else:   # RoPE on the video tokens; the text rows rotate by nothing (cos 1, sin 0)
-      cos, sin, rot_dim = self.tables(image_rotary_emb, t_video)
-      ident_cos, ident_sin, _ = self._identity_tables(t_text, hidden_states.device)
-      cos, sin = torch.cat([cos, ident_cos], 0), torch.cat([sin, ident_sin], 0)
+    cos, sin, rot_dim = self.joint_tables(image_rotary_emb, t_video, t_text, hidden_states.device, text_first=False)
     storage = self.text_storage(t_video, n)
     if self.added is not None:
       self.check_weights(attn, encoder_hidden_states, self.added_attrs["q"], self.added.w_qkv)
@@ -681,6 +709,30 @@ class PackedHunyuanVideoAttnProcessor(_PackedSelfAttnProcessor):
     if getattr(attn, "to_add_out", None) is not None:
       text = attn.to_add_out(text)
     return video, text
+
+
+class PackedCogVideoXAttnProcessor(_PackedJointAttnProcessor):
+  """CogVideoX's joint text+video attention (``Attention`` with
+  ``CogVideoXAttnProcessor2_0``; ConsisID runs the same processor) on packed K/V: the
+  text tokens first, then the video tokens, through the one ``to_q/to_k/to_v`` and its
+  LayerNorm QK norm per head; RoPE (pairs, ``image_rotary_emb`` (S_video, D)) on the
+  video tokens only, none without it (CogVideoX-2b); ``to_out`` on both, split back as
+  (video, text). No attention mask (the stock models pass none). Text stored at
+  ``text_class`` (default int8)."""
+
+  family = "CogVideoX"
+
+  def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
+    self.check_weights(attn, hidden_states, self.attrs["q"], self.w_qkv)
+    if attention_mask is not None:
+      raise NotImplementedError(f"{type(self).__name__} runs CogVideoX attention without a mask, but the model "
+                                "passed attention_mask; call restore_stock_attention(transformer) to run it")
+    t_video, t_text = hidden_states.shape[1], encoder_hidden_states.shape[1]
+    cos, sin, rot_dim = self.joint_tables(image_rotary_emb, t_video, t_text, hidden_states.device, text_first=True)
+    o = self.run_layer(torch.cat([encoder_hidden_states, hidden_states], 1), cos, sin, rot_dim,
+                       storage=self.text_storage(0, t_text))
+    o = attn.to_out[1](attn.to_out[0](o))
+    return o[:, t_text:], o[:, :t_text]
 
 
 # --------------------------------------------------------------------------------------
@@ -700,12 +752,12 @@ SERVED = {
     _T + "transformer_ltx2.LTX2AudioVideoAttnProcessor": PackedLTX2AttnProcessor,
     _T + "transformer_helios.HeliosAttnProcessor": PackedHeliosAttnProcessor,
     _T + "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0": PackedHunyuanVideoAttnProcessor,
+    _AP + "CogVideoXAttnProcessor2_0": PackedCogVideoXAttnProcessor,
 }
 """Stock processor (module.qualname) -> our processor for that calling convention."""
 
 _JOINT = "joint text+video attention ({}: the text tokens join the video tokens' attention): not supported yet"
 KNOWN_REFUSALS = {
-    _AP + "CogVideoXAttnProcessor2_0": _JOINT.format("CogVideoXAttnProcessor2_0"),
     _AP + "FusedCogVideoXAttnProcessor2_0": _JOINT.format("FusedCogVideoXAttnProcessor2_0"),
     _T + "transformer_easyanimate.EasyAnimateAttnProcessor2_0": _JOINT.format("EasyAnimateAttnProcessor2_0"),
     _T + "transformer_motif_video.MotifVideoAttnProcessor2_0": _JOINT.format("MotifVideoAttnProcessor2_0"),
