@@ -322,3 +322,19 @@ def test_gpu_wan14b_width_block_matches_stock():
       assert use_packed_attention(attn, storage=KVStorage(default=cls)).installed == [""]
       got = attn(x, None, None, rotary).float().cpu().numpy()
       assert quality(got, want)["cos"] > min_cos, (cls, quality(got, want))
+
+
+@pytest.mark.gpu
+def test_gpu_hunyuan_joint_block_matches_stock():
+  """A HunyuanVideo dual-stream block at its real width (hidden 3072, 24 x 128) on CUDA:
+  4,096 video tokens and 256 text tokens, the last 64 masked as padding, ours (int8 and
+  int4 K/V, text at int8) against diffusers' own processor, video and text outputs."""
+  import benchmarks.bench_dit as bench_dit
+  attn, call = bench_dit._hunyuan_block(bench_dit.HUNYUAN, 4096, 256, (8, 16, 32), torch.device("cuda"))
+  with torch.no_grad():
+    want = [o.float().cpu().numpy() for o in call()]
+    for cls, min_cos in (("int8", 0.9999), ("int4", 0.998)):
+      assert use_packed_attention(attn, storage=KVStorage(default=cls)).installed == [""]
+      got = [o.float().cpu().numpy() for o in call()]
+      for part, g, w in zip(("video", "text"), got, want):
+        assert quality(g, w)["cos"] > min_cos, (cls, part, quality(g, w))
