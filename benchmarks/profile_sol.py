@@ -11,6 +11,12 @@ decode at all. Each row reports the kernel's time, its cost per exact block agai
 cuDNN's per block (``cost_vs_cudnn_per_block`` = kernel time / (cuDNN time x exact
 fraction)), and the bytes of K/V it reads per exact block. Writes
 ``results/profile_sol_<card>_<date>.json``.
+
+``--streamed`` (default ``streamed,streamed_int8``) splits each streamed method (the
+default K/V: int4 with the int8 prefix) into its two parts, each timed alone over all
+heads at once: the decode (``kv_dequant``, ``layout="bhtd"``, the method's store) and
+the loop over the decoded stores (``sol_decoded.sol_over_stores``), with the loop's
+cost per exact block against cuDNN.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ def main(argv=None):
   ap.add_argument("--classes", default="int4,int8,bf16")
   ap.add_argument("--launch", default="4x2,4x3,8x2,8x3", help="num_warps x num_stages")
   ap.add_argument("--runs", type=int, default=2)
+  ap.add_argument("--streamed", default="streamed,streamed_int8",
+                  help="streamed methods to split into decode and loop ('' for none)")
   ap.add_argument("--cpu-smoke", action="store_true")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
@@ -92,6 +100,7 @@ def main(argv=None):
       print(f"{cls:5s} {warps}x{stages}: {med * 1e3:8.1f} ms  {row['cost_vs_cudnn_per_block']:.2f}x cuDNN per "
             f"exact block  {row['exact_tflops']:.0f} TFLOP/s executed", flush=True)
     del packed
+  record["streamed_parts"] = streamed_parts(args, q_rot, kr, vr, setting, cudnn_s, on_gpu)
   out = args.out or (os.path.join(tempfile.gettempdir(), "profile_sol_smoke.json") if args.cpu_smoke
                      else common.result_path("profile_sol", record["card"]))
   common.write_json(out, record)
@@ -100,6 +109,49 @@ def main(argv=None):
                           ("kernel ms", "kernel_s", "{:.4f}"), ("x cuDNN/block", "cost_vs_cudnn_per_block", "{:.2f}"),
                           ("TFLOP/s", "exact_tflops", "{:.0f}")]), flush=True)
   return record
+
+
+def streamed_parts(args, q_rot, kr, vr, setting, cudnn_s, on_gpu) -> list:
+  """Decode and loop of each streamed method, timed apart (every head in one group)."""
+  from pallas_kernels import sol, sol_decoded
+  from pallas_kernels.kv_dequant import dequantize_group
+  from pallas_kernels.sol_routing import make_plan
+  b, t, h, d = q_rot.shape
+  prefix_blocks = setting.sink_blocks[1]
+  classes = fmt.resolve_block_classes(t, [(0, prefix_blocks * fmt.BLOCK, "int8")])
+  packed = jax.jit(fmt.quantize_reference, static_argnums=2)(kr, vr, fmt.PackedKVMeta(1, h, d, t, classes))
+  out = []
+  for method in filter(None, args.streamed.split(",")):
+    cfg_sol = dataclasses.replace(setting, method=method)
+    qk = sol.STREAMED_QK[method]
+    plan = make_plan(q_rot, packed, cfg_sol)
+    routing = jax.jit(lambda a, p, c=cfg_sol: sol.sol_routing(a, p, c))(q_rot, packed)
+    frac = routing_stats(routing, cfg_sol.sink_blocks, (0, 0), plan.num_blocks)["exact_block_fraction_mean"]
+    store = "int8_k" if qk == "int8" else "bf16"
+    decode = jax.jit(lambda p, kg: dequantize_group(p, 0, h, unrotate_v=True, interpret=not on_gpu, layout="bhtd",
+                                                    store=store, center=kg if store == "int8_k" else None))
+    stores, _, decode_s, _ = timed(decode, packed, routing.k_global, runs=args.runs)
+    if qk == "int8":
+      k, k_scale, v = stores
+    else:
+      (k, v), k_scale = stores, None
+    r_v = jnp.asarray(fmt.hadamard_rotation(d, packed.meta.rotation_seed_v))
+    v_sum = jnp.einsum("bhnd,ed->bhne", packed.v_sum.astype(jnp.float32), r_v)
+    cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=t, num_blocks=plan.num_blocks, qk_scale=plan.log2_scale,
+                                 sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk,
+                                 has_key_bias=False, has_block_len=False)
+    loop = jax.jit(lambda q, k, ks, v, vs, r: sol_decoded.sol_over_stores(
+        q, k, ks, v, vs, r.k_global, r.blocks, r.counts, r.centroid, r.k_mean, None, None, cfg,
+        interpret=not on_gpu))
+    _, _, loop_s, _ = timed(loop, q_rot, k, k_scale, v, v_sum, routing, runs=args.runs)
+    row = dict(method=method, decode_s=decode_s, loop_s=loop_s, exact_fraction=frac,
+               loop_cost_vs_cudnn_per_block=loop_s / (cudnn_s * frac), store_bytes=sum(
+                   x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(stores)))
+    out.append(row)
+    print(f"{method:14s} decode {decode_s * 1e3:8.1f} ms  loop {loop_s * 1e3:8.1f} ms  "
+          f"({row['loop_cost_vs_cudnn_per_block']:.2f}x cuDNN per exact block)", flush=True)
+    del stores, k, v
+  return out
 
 
 if __name__ == "__main__":

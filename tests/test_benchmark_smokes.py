@@ -1,4 +1,4 @@
-"""The GPU-only probes of issues 40 and 41 run on the CPU in their smoke mode (tiny
+"""The GPU-only probes of issues 40, 41 and 45 run on the CPU in their smoke mode (tiny
 shapes, interpret mode, an emulated FP8 attention), and their figures make sense."""
 import json
 import os
@@ -37,3 +37,15 @@ def test_probe_attention_8bit_matches_float32(tmp_path):
   assert rows["bf16"]["cos"] > 0.9999
   for variant in ("i8qk", "i8qk_f8pv", "f8"):
     assert 0.995 < rows[variant]["cos"] <= rows["bf16"]["cos"] + 1e-6, (variant, rows[variant])
+
+
+def test_profile_sol_splits_the_streamed_methods(tmp_path):
+  """profile_sol's kernel rows and its decode / loop split of each streamed method."""
+  rec = _run("profile_sol", tmp_path)
+  assert {r["cls"] for r in rec["rows"] if "kernel_s" in r} == {"int4", "int8", "bf16"}
+  parts = {r["method"]: r for r in rec["streamed_parts"]}
+  assert set(parts) == {"streamed", "streamed_int8"}
+  for r in parts.values():
+    assert r["decode_s"] > 0 and r["loop_s"] > 0 and 0 < r["exact_fraction"] <= 1 and r["store_bytes"] > 0
+  # int8 K stores are about half the bf16 K store: K codes + a scale per row, V bf16 in both
+  assert parts["streamed_int8"]["store_bytes"] < 0.8 * parts["streamed"]["store_bytes"]
