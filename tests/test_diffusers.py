@@ -123,6 +123,22 @@ def test_joint_attention_rotates_the_video_tokens_only(monkeypatch):
   assert sorted(failed) == sorted(r["report"].installed), r["modules"]
 
 
+def test_joint_module_called_without_text_returns_as_stock():
+  """HunyuanVideo's processor without encoder_hidden_states returns (attention, None)
+  with no output projection, as stock does; int8 K/V within 1e-4 of it."""
+  import benchmarks.bench_dit as bench_dit
+  from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoRotaryPosEmbed
+  attn, _ = bench_dit._hunyuan_block(bench_dit.SMOKE, 256, 32, (1, 8, 32), torch.device("cpu"))
+  x = torch.randn(1, 256, 128, dtype=torch.bfloat16)
+  rope = HunyuanVideoRotaryPosEmbed(2, 1, [16, 24, 24])(torch.empty(1, 1, 1, 16, 64))
+  with torch.no_grad():
+    want = attn(x, image_rotary_emb=rope)
+    use_packed_attention(attn, storage=KVStorage(default="int8"))
+    got = attn(x, image_rotary_emb=rope)
+  assert want[1] is None and got[1] is None and got[0].shape == want[0].shape == (1, 256, 128)
+  assert quality(got[0].float().numpy(), want[0].float().numpy())["cos"] > 0.9999
+
+
 def test_joint_attention_key_padding_rules():
   from torch_bridge.diffusers import _trailing_key_lengths
   n = 10

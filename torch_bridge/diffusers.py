@@ -687,10 +687,12 @@ class PackedHunyuanVideoAttnProcessor(_PackedJointAttnProcessor):
 
   def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
     self.check_weights(attn, hidden_states, self.attrs["q"], self.w_qkv)
-    if encoder_hidden_states is None:
-      if attention_mask is not None:
-        self.check_self_attention(None, attention_mask)
-      return self.attend(attn, hidden_states, image_rotary_emb)
+    if encoder_hidden_states is None:   # as stock: attention of the video alone, no output projection
+      self.check_self_attention(None, attention_mask)
+      t = hidden_states.shape[1]
+      cos, sin, rot_dim = (self._identity_tables(t, hidden_states.device) if image_rotary_emb is None
+                           else self.tables(image_rotary_emb, t))
+      return self.run_layer(hidden_states, cos, sin, rot_dim), None
     t_video, t_text = hidden_states.shape[1], encoder_hidden_states.shape[1]
     n = t_video + t_text
     kv_lengths = None if attention_mask is None else _trailing_key_lengths(attention_mask, n)
