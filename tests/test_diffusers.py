@@ -276,8 +276,8 @@ def test_errors_name_the_fix():
   with pytest.raises(tb.BridgeError, match="call use_packed_attention again"):
     with torch.no_grad():
       model(**inputs)
-  with pytest.raises(ValueError, match="Linear has no diffusers attention module.*serves the self-attention of: "
-                                       "Cosmos, .*Wan 2.x"):
+  with pytest.raises(ValueError, match="Linear has no diffusers attention module.*serves the self- and joint "
+                                       "text\\+video attention of: CogVideoX, Cosmos, .*HunyuanVideo, .*Wan 2.x"):
     use_packed_attention(torch.nn.Linear(4, 4))
   # Settings are values, checked before anything is installed: a name is not a config.
   with pytest.raises(ValueError, match=r"attention must be Dense\(\.\.\.\) or Sol\(\.\.\.\)"):

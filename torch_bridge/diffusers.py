@@ -852,7 +852,7 @@ def use_packed_attention(transformer, *, attention: Dense | Sol | None = None, s
   if not report.installed:
     if not report:
       raise ValueError(f"{type(transformer).__name__} has no diffusers attention module (one with a processor); "
-                       "packed attention serves the self-attention of: "
+                       "packed attention serves the self- and joint text+video attention of: "
                        + ", ".join(sorted({c.family for c in SERVED.values()})))
     seen = "; ".join(f"{kind} x{len(names)}: {reason}" for (kind, reason), names in report.grouped().items())
     raise ValueError(f"{type(transformer).__name__} has no attention module packed attention can serve ({seen})")
