@@ -622,13 +622,19 @@ class _PackedJointAttnProcessor(_PackedSelfAttnProcessor):
     if text_class is not None and text_class not in CLASSES:
       raise ValueError(f"text_class must be one of {CLASSES} or None, got {text_class!r}")
     self.text_class = text_class
+    self._text_storages: dict[tuple[int, int], KVStorage] = {}
 
   def text_storage(self, start: int, end: int) -> KVStorage | None:
     """The storage with the text tokens [start, end) at ``text_class`` (None: as is; a
-    storage with fixed block classes is taken as the caller wrote it)."""
+    storage with fixed block classes is taken as the caller wrote it). Built once per
+    range, not per call."""
     if self.text_class is None or self.storage.block_classes is not None:
       return None
-    return dataclasses.replace(self.storage, token_ranges=self.storage.token_ranges + ((start, end, self.text_class),))
+    key = (start, end)
+    if key not in self._text_storages:
+      self._text_storages[key] = dataclasses.replace(
+          self.storage, token_ranges=self.storage.token_ranges + ((start, end, self.text_class),))
+    return self._text_storages[key]
 
   def tables(self, rotary_emb, t):
     return _whole_head_tables(rotary_emb, t, self.head_dim)   # (S, D), repeat-interleaved pairs

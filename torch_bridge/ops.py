@@ -154,10 +154,7 @@ def _qkv_meta(x, weights: QKVWeights, rope_cos, rope_sin, layout: QKVLayout, sto
   b, t, hidden = x.shape
   t += extra_rows
   dev = x.device
-  _check(weights.w_qkv, "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, layout.width), device=dev)
-  _check(weights.bias, "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,), device=dev)
-  for name in ("q_norm_weight", "k_norm_weight"):
-    _check(getattr(weights, name), name, real=real, dtype=torch.float32, device=dev)
+  _check_weights(weights, hidden, layout, dev, real=real)
   _check(rope_cos, "rope_cos", real=real, dtype=torch.float32, device=dev)
   _check(rope_sin, "rope_sin", real=real, dtype=torch.float32, device=dev)
   try:
@@ -166,6 +163,17 @@ def _qkv_meta(x, weights: QKVWeights, rope_cos, rope_sin, layout: QKVLayout, sto
     return storage.meta(b, layout.heads, layout.head_dim, t)
   except ValueError as e:
     raise dlpack.BridgeError(f"projection inputs rejected: {e}") from None
+
+
+def _check_weights(weights: QKVWeights, hidden: int, layout: QKVLayout, device, *, real: bool, prefix: str = ""):
+  """One projection's tensors against its input width and the layout (names prefixed,
+  e.g. ``added_w_qkv``); the norm weights' shapes are ``layout.check_norm_weights``'s."""
+  _check(weights.w_qkv, prefix + "w_qkv", real=real, dtype=torch.bfloat16, shape=(hidden, layout.width),
+         device=device)
+  _check(weights.bias, prefix + "bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,),
+         device=device)
+  for name in ("q_norm_weight", "k_norm_weight"):
+    _check(getattr(weights, name), prefix + name, real=real, dtype=torch.float32, device=device)
 
 
 def _added_rows(x, added_x, added_weights: QKVWeights, layout: QKVLayout, *, real: bool) -> int:
@@ -180,12 +188,7 @@ def _added_rows(x, added_x, added_weights: QKVWeights, layout: QKVLayout, *, rea
   b_added, added_rows, added_hidden = added_x.shape
   if b_added != x.shape[0]:
     raise dlpack.BridgeError(f"added_x has {b_added} batch rows, x has {x.shape[0]}: they must match")
-  _check(added_weights.w_qkv, "added_w_qkv", real=real, dtype=torch.bfloat16, shape=(added_hidden, layout.width),
-         device=x.device)
-  _check(added_weights.bias, "added_bias", real=real, dtype=(torch.bfloat16, torch.float32), shape=(layout.width,),
-         device=x.device)
-  for name in ("q_norm_weight", "k_norm_weight"):
-    _check(getattr(added_weights, name), "added_" + name, real=real, dtype=torch.float32, device=x.device)
+  _check_weights(added_weights, added_hidden, layout, x.device, real=real, prefix="added_")
   try:
     layout.check_norm_weights(added_weights.q_norm_weight, added_weights.k_norm_weight)
   except ValueError as e:
