@@ -137,9 +137,7 @@ def streamed_parts(args, q_rot, kr, vr, setting, cudnn_s, on_gpu) -> list:
       (k, v), k_scale = stores, None
     r_v = jnp.asarray(fmt.hadamard_rotation(d, packed.meta.rotation_seed_v))
     v_sum = jnp.einsum("bhnd,ed->bhne", packed.v_sum.astype(jnp.float32), r_v)
-    cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=t, num_blocks=plan.num_blocks, qk_scale=plan.log2_scale,
-                                 sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk,
-                                 has_key_bias=False, has_block_len=False)
+    cfg = sol_decoded.LoopConfig.from_plan(plan, d, qk)
     loop = jax.jit(lambda q, k, ks, v, vs, r: sol_decoded.sol_over_stores(
         q, k, ks, v, vs, r.k_global, r.blocks, r.counts, r.centroid, r.k_mean, None, None, cfg,
         interpret=not on_gpu))

@@ -155,9 +155,8 @@ def _sol_streamed(q, packed, routing, key_bias, block_len, plan: SolPlan, *, kee
   meta = packed.meta
   b, t, h, d = q.shape
   out = q if overwrite_q else jnp.zeros_like(q)
-  cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=t, num_blocks=plan.num_blocks, qk_scale=plan.log2_scale,
-                               sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk,
-                               has_key_bias=key_bias is not None, has_block_len=block_len is not None)
+  cfg = sol_decoded.LoopConfig.from_plan(plan, d, qk, has_key_bias=key_bias is not None,
+                                         has_block_len=block_len is not None)
   kb = normalize_key_bias(key_bias, b, t) * LOG2E if key_bias is not None else None
   lengths = block_lengths(t, block_len) if block_len is not None else None
   r_v = None if keep_rotated else jnp.asarray(fmt.hadamard_rotation(d, meta.rotation_seed_v))

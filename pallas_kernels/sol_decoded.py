@@ -71,6 +71,13 @@ class LoopConfig:
     if self.qk not in QK_PRECISIONS:
       raise ValueError(f"qk must be one of {QK_PRECISIONS}, got {self.qk!r}")
 
+  @classmethod
+  def from_plan(cls, plan, head_dim: int, qk: str, *, has_key_bias: bool = False, has_block_len: bool = False):
+    """The loop's statics from a call's ``sol_routing.SolPlan``."""
+    return cls(head_dim=head_dim, num_tokens=plan.num_tokens, num_blocks=plan.num_blocks, qk_scale=plan.log2_scale,
+               sink_blocks=plan.sink_blocks, sink_q=plan.sink_q, tail=plan.tail, qk=qk, has_key_bias=has_key_bias,
+               has_block_len=has_block_len)
+
 
 def _kernel(*refs, names, cfg: LoopConfig):
   r = dict(zip(names, refs))

@@ -192,9 +192,7 @@ def _group_stores(q, packed, kw, qk, head0=0, heads=H):
   kb = kw.get("key_bias")
   kb = None if kb is None else sol.normalize_key_bias(kb, q.shape[0], q.shape[1]) * sol.LOG2E
   lengths = kw.get("block_len")
-  cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=plan.num_tokens, num_blocks=plan.num_blocks,
-                               qk_scale=plan.log2_scale, sink_blocks=plan.sink_blocks, sink_q=plan.sink_q,
-                               tail=plan.tail, qk=qk, has_key_bias=kb is not None, has_block_len=lengths is not None)
+  cfg = sol_decoded.LoopConfig.from_plan(plan, d, qk, has_key_bias=kb is not None, has_block_len=lengths is not None)
   lengths = None if lengths is None else sol.block_lengths(plan.num_tokens, lengths)
   args = (q[:, :, head0:head0 + heads], k, k_scale, v, v_sum, sl(routing.k_global), sl(routing.blocks),
           sl(routing.counts), sl(routing.centroid), sl(routing.k_mean), kb, lengths, cfg)
