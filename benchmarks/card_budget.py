@@ -121,6 +121,7 @@ def child(cfg: dict) -> dict:
       else:
         block = tb.PackedH3Attention(shape["hidden"], shape["heads"], shape["head_dim"],
                                      attention=attention_config(cfg["block"], cfg["scratch_mib"]),
+                                     storage=tb.KVStorage(default=cfg.get("default_class", "int4")),
                                      interpret=True if not cuda else None, **kw)
       blocks.append(block.eval().requires_grad_(False))
     x = torch.randn(1, t, shape["hidden"], dtype=torch.bfloat16, device=dev)
@@ -295,6 +296,7 @@ def main(argv=None):
   ap.add_argument("--deadline-s", type=int, default=None,
                   help="start no child after this many seconds (rows not run say so)")
   ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode: checks the loop")
+  ap.add_argument("--default-class", default="int4", help="the packed blocks' K/V class (formats.CLASSES)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -303,7 +305,8 @@ def main(argv=None):
   if args.cpu_smoke:
     args.tokens, args.n_blocks, args.no_search = 150, 2, True
   base = dict(budget_gib=args.budget_gib, held_gib=args.held_gib, scratch_mib=args.scratch_mib,
-              n_blocks=args.n_blocks, passes=args.passes, ffn_gib=args.ffn_gib, cpu_smoke=args.cpu_smoke)
+              n_blocks=args.n_blocks, passes=args.passes, ffn_gib=args.ffn_gib, cpu_smoke=args.cpu_smoke,
+              default_class=args.default_class)
   if args.deadline_s:
     _DEADLINE[0] = time.monotonic() + args.deadline_s
   records = []
@@ -317,6 +320,7 @@ def main(argv=None):
   card = next((r["card"] for r in records if r.get("card")), "unknown")
   max_tokens = {}
   if not args.no_search:
+    from formats import KVStorage
     from pallas_kernels import QKVLayout
     from pallas_kernels.layer import required_bytes
     layout = QKVLayout.h3(H3["heads"], H3["head_dim"], H3["rot_dim"])
@@ -334,7 +338,8 @@ def main(argv=None):
           overhead = max(0.0, peak - user["required_bytes_gib"]["peak"])
         start = STEP
         attention = attention_config(block, args.scratch_mib)
-        while required_bytes(start + STEP, layout, H3["hidden"], attention=attention)["peak"] \
+        storage = KVStorage(default=args.default_class)
+        while required_bytes(start + STEP, layout, H3["hidden"], attention=attention, storage=storage)["peak"] \
             + overhead * common.GIB < free_budget:
           start += STEP
       max_tokens[block] = search_max_tokens(dict(search_base, block=block), starts.get(block, start), args.timeout,

@@ -35,12 +35,13 @@ class LayerShape:
   rot_dim: int = 96
   prefix_tokens: int = 0        # conditioning prefix (text, references, audio)
   prefix_class: str = "int8"    # its K/V precision in our variants
+  default_class: str = "int4"   # every other block's
 
   @property
   def storage(self) -> KVStorage:
-    """Our variants' K/V storage: int4, the prefix in ``prefix_class``."""
+    """Our variants' K/V storage: ``default_class`` (int4), the prefix in ``prefix_class``."""
     ranges = ((0, self.prefix_tokens, self.prefix_class),) if self.prefix_tokens else ()
-    return KVStorage(token_ranges=ranges)
+    return KVStorage(default=self.default_class, token_ranges=ranges)
 
   @property
   def layout(self) -> QKVLayout:

@@ -3,6 +3,7 @@ uniform policy at the same bits, on real activations, held out (CPU).
 
   python3 -m benchmarks.kv_calibration            # SmolLM2, 6 layers, T = 2048 (~3 min)
   python3 -m benchmarks.kv_calibration --sample   # the committed 2-layer sample (CI)
+  python3 -m benchmarks.kv_calibration --base k5v4 --upgrade int8 --max-bits 5.5   # the 5-bit classes
 
 Calibration samples: the six layers of ``kv_quality`` (SmolLM2-135M, post-RoPE q, k,
 v), tokens 0..T-1 of the text. Evaluation: the same layers on held-out tokens
@@ -37,7 +38,7 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.kv_quality import REAL_LAYERS, real_layers  # noqa: E402
 from formats.reference import attention_f32  # noqa: E402
-from formats.calibration import (UPGRADE, PrecisionPolicy, attention_cos, calibrate,  # noqa: E402
+from formats.calibration import (BASE, UPGRADE, PrecisionPolicy, attention_cos, calibrate,  # noqa: E402
                                  class_bits, report_key, storage_roundtrip)
 
 HELD_OUT_START = 4096
@@ -56,15 +57,15 @@ def evaluate(policy: PrecisionPolicy, layers: dict, refs: dict) -> dict:
 
 
 def uniform_policy(calibrated: PrecisionPolicy, keys, max_bits: float) -> PrecisionPolicy:
-  """The same int8 ranges in every layer, ranked by the calibration's gains summed over
-  layers, as many as ``max_bits`` allows (the calibrated policy's own budget)."""
+  """The same upgrade ranges in every layer, ranked by the calibration's gains summed
+  over layers, as many as ``max_bits`` allows (the calibrated policy's own budget)."""
   rep = calibrated.report
   gains = np.sum([rep["gains"][report_key(k)] for k in keys], axis=0)
   unit = rep["range_tokens"]
   t = calibrated.num_tokens
   spans = [(a, min(a + unit, t)) for a in range(0, t, unit)]
-  up, base = class_bits(UPGRADE), class_bits("int4")
-  budget = (max_bits - base) / (up - base) * t       # int8 tokens per layer
+  up, base = class_bits(calibrated.upgrade), class_bits(calibrated.base)
+  budget = (max_bits - base) / (up - base) * t       # upgraded tokens per layer
   chosen, used = [], 0
   for i in np.argsort(-gains):
     a, b = spans[i]
@@ -72,7 +73,8 @@ def uniform_policy(calibrated: PrecisionPolicy, keys, max_bits: float) -> Precis
       continue
     chosen.append((a, b))
     used += b - a
-  return PrecisionPolicy(t, {key: tuple(sorted(chosen)) for key in keys})
+  return PrecisionPolicy(t, {key: tuple(sorted(chosen)) for key in keys}, base=calibrated.base,
+                         upgrade=calibrated.upgrade)
 
 
 def main(argv=None):
@@ -80,6 +82,8 @@ def main(argv=None):
   ap.add_argument("--tokens", type=int, default=2048)
   ap.add_argument("--max-bits", type=float, default=5.25)
   ap.add_argument("--range-blocks", type=int, default=1, help="token-range unit in 64-token blocks")
+  ap.add_argument("--base", default=BASE, help="the class below (formats.CLASSES)")
+  ap.add_argument("--upgrade", default=UPGRADE, help="the class the calibration spends bits on")
   ap.add_argument("--sample", action="store_true", help="the committed 2-layer sample, first half calibrates, "
                                                         "second half evaluates (T = 512)")
   ap.add_argument("--out", default=None)
@@ -98,32 +102,37 @@ def main(argv=None):
     info = {"calibrate": info_c, "held_out": info_h}
   print(f"calibration data: {info}", flush=True)
   # Bits counted at H3's head dim 128, as kv_quality and kv_perplexity count them.
-  pol = calibrate(calib, max_bits=args.max_bits, range_blocks=args.range_blocks, bits_head_dim=128)
+  pol = calibrate(calib, max_bits=args.max_bits, range_blocks=args.range_blocks, bits_head_dim=128,
+                  base=args.base, upgrade=args.upgrade)
   keys = list(calib)
   t = pol.num_tokens
-  all4 = PrecisionPolicy(t, {k: () for k in keys})
-  all8 = PrecisionPolicy(t, {k: ((0, t),) for k in keys})
+  all4 = PrecisionPolicy(t, {k: () for k in keys}, base=args.base, upgrade=args.upgrade)
+  all8 = PrecisionPolicy(t, {k: ((0, t),) for k in keys}, base=args.base, upgrade=args.upgrade)
   uni = uniform_policy(pol, keys, args.max_bits)
   refs = {where: {key: attention_f32(*qkv) for key, qkv in layers.items()}
           for where, layers in (("calibration tokens", calib), ("held-out tokens", held))}
   rows = []
-  for name, p in (("all int4 (default)", all4), (f"calibrated (max_bits {args.max_bits})", pol),
-                  ("uniform, same bits", uni), ("all int8", all8)):
+  for name, p in ((f"all {args.base}" + (" (default)" if args.base == "int4" else ""), all4),
+                  (f"calibrated (max_bits {args.max_bits})", pol), ("uniform, same bits", uni),
+                  (f"all {args.upgrade}", all8)):
     for where, layers in (("calibration tokens", calib), ("held-out tokens", held)):
       rows.append({"policy": name, "data": where, **evaluate(p, layers, refs[where])})
   print(common.table(rows, [("policy", "policy", "{}"), ("data", "data", "{}"), ("bits", "bits_per_value", "{:.3f}"),
                             ("median cos", "median_cos", "{:.5f}"), ("worst cos", "worst_cos", "{:.5f}")]))
   out = args.out or os.path.join(common.RESULTS, f"kv_calibration_{'sample_' if args.sample else ''}"
                                                  f"{datetime.date.today().isoformat()}.json")
-  common.write_json(out, common.run_record() | {"info": info, "upgrade_class": UPGRADE, "rows": rows,
+  common.write_json(out, common.run_record() | {"info": info, "base_class": args.base,
+                                                "upgrade_class": args.upgrade, "rows": rows,
                                                 "policy": PrecisionPolicy.from_json(pol.to_json()).to_json(),
                                                 "uniform_ranges": [list(r) for r in uni.ranges[keys[0]]]})
   if not args.sample:
     pick = {(r["policy"].split(" (")[0].split(",")[0], r["data"]): r for r in rows}
     cal, un = pick[("calibrated", "held-out tokens")], pick[("uniform", "held-out tokens")]
-    common.update_scorecard({"quality.calibrated_worst_cos_5p25bits": round(cal["worst_cos"], 5),
-                             "quality.calibrated_worst_cos_gain": round(cal["worst_cos"] - un["worst_cos"], 5)},
-                            card="cpu (float32 attention)", source=out, command=common.run_record()["command"])
+    bits = f"{args.max_bits:g}".replace(".", "p")
+    entries = {f"quality.calibrated_worst_cos_{bits}bits": round(cal["worst_cos"], 5)}
+    if (args.base, args.upgrade) == (BASE, UPGRADE):   # issue 39's comparison: int8 ranges on int4
+      entries["quality.calibrated_worst_cos_gain"] = round(cal["worst_cos"] - un["worst_cos"], 5)
+    common.update_scorecard(entries, card="cpu (float32 attention)", source=out, command=common.run_record()["command"])
   return rows
 
 

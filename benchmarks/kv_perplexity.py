@@ -2,6 +2,7 @@
 
   python3 -m benchmarks.kv_perplexity                          # 3 windows of 1024 + 1 of 2048 (~12 min)
   python3 -m benchmarks.kv_perplexity --windows 1024:1 --storages "v2 int4,v2 int8"   # quick (~1 min)
+  python3 -m benchmarks.kv_perplexity --calibrated --storages "v3 k5v4"   # + classes calibrated per layer
 
 Why: cos of one layer's attention output (``kv_quality``) says how far a storage moves
 attention, not what that costs the model. Here SmolLM2-135M-Instruct
@@ -75,6 +76,7 @@ class Storage:
   bits: float
   bits_d64: float
   source: str       # where the round trip comes from, for the results file
+  per_layer: bool = False   # roundtrip(k, v, rope, layer): the class depends on the layer
 
 
 def _bf16(k, v, rope):
@@ -124,11 +126,53 @@ def storages() -> dict:
       _lever(LEVERS["16-bit, 5-bit K, 4-bit V"], "K5 V4 16-bit",
              "kv_quality.LEVERS['16-bit, 5-bit K, 4-bit V']"),
       _lever(Lever(**int8), "K8 V4 16-bit", f"kv_quality.Lever(**{int8})"),
+      _lever(LEVERS["16-bit, 5-bit K, 4-bit V codebook"], "K5 V4-codebook 16-bit",
+             "kv_quality.LEVERS['16-bit, 5-bit K, 4-bit V codebook']"),
+      _lever(LEVERS["16-bit, 5-bit K, 5-bit V codebook"], "K5 V5-codebook 16-bit",
+             "kv_quality.LEVERS['16-bit, 5-bit K, 5-bit V codebook']"),
       _format(FORMAT_POLICIES["int8 K, int4 V"], "v2 K8 V4", Lever(**int8)),
       _format(FORMAT_POLICIES["int4 K, int8 V"], "v2 K4 V8", Lever(**v2, v_bits=8)),
       _format(FORMAT_POLICIES["all int8"], "v2 int8", Lever(**int8, v_bits=8)),
+      _format(FORMAT_POLICIES["all k5v4 (5-bit K, 4-bit V)"], "v3 k5v4", Lever(**v2, k_bits=5)),
+      _format(FORMAT_POLICIES["all k5v5"], "v3 k5v5", Lever(**v2, k_bits=5, v_bits=5)),
   ]
   return {s.name: s for s in rows}
+
+
+# Calibrated per-layer classes: (name, base, upgrade, max_bits at D = 128). The first
+# is the scorecard's ``quality.ppl_delta_pct_calibrated`` (the lowest KL of the three on
+# Dec 8's run: NOTES).
+CALIBRATED = (
+    ("calibrated k5v4 + k5v5 layers, <= 5.5 bits", "k5v4", "k5v5", 5.5),
+    ("calibrated k5v4 + int8 layers, <= 5.5 bits", "k5v4", "int8", 5.5),
+    ("calibrated int4 + int8 layers, <= 5.5 bits", "int4", "int8", 5.5),
+)
+CALIBRATION_TOKENS = 1024   # tokens 0..1023: disjoint from the held-out windows (HELD_OUT_START on)
+
+
+def calibrated_storages(model, ids: np.ndarray, tokens: int = CALIBRATION_TOKENS) -> dict:
+  """Storages whose class is chosen per layer by ``formats.calibrate``: every layer's
+  q, k, v captured on tokens 0..tokens-1 (calibration text the held-out windows never
+  see), one token range per layer spanning the whole sequence (so a layer is upgraded
+  whole, and the choice holds at any window length), bits counted at D = 128, the
+  worst layer first within ``max_bits`` on average. Each round trip is the format's
+  own (``kv_quality.format_roundtrip``) at the layer's class."""
+  from formats import packed_kv as fmt
+  from formats.calibration import calibrate, class_bits
+  layers = model.capture(ids[:tokens], tuple(range(model.layers)))
+  out = {}
+  for name, base, upgrade, max_bits in CALIBRATED:
+    policy = calibrate(layers, max_bits=max_bits, range_blocks=-(-tokens // fmt.BLOCK), bits_head_dim=128,
+                       base=base, upgrade=upgrade)
+    per_layer = {layer: upgrade if policy.ranges[layer] else base for layer in layers}
+    fn = functools.partial(lambda k, v, rope, layer, classes: kvq.format_roundtrip(
+        k, v, k_class=classes[layer], v_class=classes[layer]), classes=per_layer)
+    mean_bits = lambda d: float(np.mean([class_bits(c, d) for c in per_layer.values()]))
+    upgraded = sorted(layer for layer, c in per_layer.items() if c == upgrade)
+    out[name] = Storage(name, fn, mean_bits(128), mean_bits(64),
+                        f"formats.calibrate(base={base!r}, upgrade={upgrade!r}, max_bits={max_bits}) on tokens "
+                        f"0..{tokens - 1}, whole layers: {upgrade} in layers {upgraded}", per_layer=True)
+  return out
 
 
 def kv_store_for(storage: Storage, tokens: int, model):
@@ -138,6 +182,8 @@ def kv_store_for(storage: Storage, tokens: int, model):
   if storage.roundtrip is None:
     return None
   rope = kvq.adjacent_pair_rope(tokens, model.head_dim, model.theta)
+  if storage.per_layer:
+    return lambda layer, k, v: tuple(np.asarray(x, np.float32) for x in storage.roundtrip(k, v, rope, layer))
   return lambda layer, k, v: tuple(np.asarray(x, np.float32) for x in storage.roundtrip(k, v, rope))
 
 
@@ -242,6 +288,8 @@ def main(argv=None):
   ap.add_argument("--storages", default=None, help="comma-separated storage names besides float32 and bf16 "
                                                    "(default: all)")
   ap.add_argument("--text", default=None, help="a text file (default: real_activations.default_text())")
+  ap.add_argument("--calibrated", action="store_true",
+                  help="add the CALIBRATED rows: classes per layer from formats.calibrate on tokens 0..1023")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   from benchmarks import real_activations
@@ -259,6 +307,8 @@ def main(argv=None):
     text, where = real_activations.default_text()
   model = real_activations.SmolLM2()
   ids = model.tokenize(text)
+  if args.calibrated:
+    rows |= calibrated_storages(model, ids)
   info = {"model": real_activations.MODEL_FILE, "text": where,
           "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "text_tokens": int(len(ids)),
           "held_out_start": args.start, "rope_theta": model.theta, "layers": model.layers,
@@ -292,7 +342,8 @@ def main(argv=None):
 
 def scorecard_entries(results: dict) -> dict:
   """The scorecard's ``quality.ppl_*`` entries from a results record: the default class
-  (v2 int4) against BF16 in the 1024 x 3 setting, and the fewest bits within 0.1% there."""
+  (v2 int4) and the first calibrated policy against BF16 in the 1024 x 3 setting, and
+  the fewest bits within 0.1% there."""
   setting = results["settings"].get("1024x3")
   if not setting:
     return {}
@@ -300,6 +351,8 @@ def scorecard_entries(results: dict) -> dict:
   out = {}
   if DEFAULT_STORAGE in rows:
     out["quality.ppl_delta_pct_default"] = round(rows[DEFAULT_STORAGE]["delta_pct_vs_bf16"], 2)
+  if CALIBRATED[0][0] in rows:
+    out["quality.ppl_delta_pct_calibrated"] = round(rows[CALIBRATED[0][0]]["delta_pct_vs_bf16"], 2)
   hit = setting["fewest_bits_within_pct_of_bf16"].get("0.1")
   if hit:
     out["quality.bits_for_ppl_0.1pct"] = hit[0]

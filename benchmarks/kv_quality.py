@@ -2,6 +2,7 @@
 
   python -m benchmarks.kv_quality                      # real (SmolLM2, T = 2048 and 4096) + synthetic
   python -m benchmarks.kv_quality --sample             # CI: the committed real sample only
+  python -m benchmarks.kv_quality --rows format:       # the format's own classes and policies only
 
 Real: post-RoPE q, k, v of six layers of SmolLM2-135M on real English text
 (``benchmarks/real_activations.py``; needs the ``quality`` extra). Synthetic: the
@@ -14,8 +15,9 @@ all query rows), then the median and the worst layer; and the worst single head.
 
 Rows:
 * the format's policies (through ``formats.quantize_reference``, format v2 since Dec 7:
-  16-bit parameters): all int4, an int8 prefix of 256 tokens, int4 K with int8 V, int8
-  K with int4 V, all int8, K per token;
+  16-bit parameters; v3 since Dec 8: 5-bit classes): all int4, an int8 prefix of 256
+  tokens, int4 K with int8 V, int8 K with int4 V, all int8, all k5v4, all k5v5, K per
+  token;
 * levers for a version 2, each alone and combined (fake quantization in numpy, same
   rounding as the format): 16-bit scales and stats, a Lloyd-Max 4-bit codebook fitted
   to the normalized group values, MSE-optimal clipping of each group's range, finer
@@ -99,6 +101,7 @@ class Lever:
   param_bits: int = 32           # scale and zero
   stat_bits: int = 32            # K mean and V sum per 64-token block
   codebook: bool = False         # Lloyd-Max levels instead of uniform ones
+  v_codebook: bool = False       # ... for V only
   mse_clip: bool = False
   k_smooth: bool = False         # subtract K's per-channel mean over the sequence first
   k_pre_rope: bool = False       # quantize K before RoPE (KVQuant), apply RoPE after decoding
@@ -192,7 +195,8 @@ def lever_roundtrip(k, v, lever: Lever, rope=None):
         _quantize_groups(kg, lever, lever.k_tokens, lever.k_bits).transpose(0, 3, 1, 2).reshape(-1, h, d)[:t])
   vc = min(lever.v_channels, d)
   vr = v @ r_v
-  vq = vr if lever.v_bits is None else _quantize_groups(vr.reshape(t, h, d // vc, vc), lever, vc,
+  v_lever = dataclasses.replace(lever, codebook=lever.codebook or lever.v_codebook)
+  vq = vr if lever.v_bits is None else _quantize_groups(vr.reshape(t, h, d // vc, vc), v_lever, vc,
                                                         lever.v_bits).reshape(t, h, d)
   return kq @ r_k.T, vq @ r_v.T
 
@@ -203,6 +207,8 @@ FORMAT_POLICIES = {
     "int4 K, int8 V": dict(v_class="int8"),
     "int8 K, int4 V": dict(k_class="int8"),
     "all int8": dict(k_class="int8", v_class="int8"),
+    "all k5v4 (5-bit K, 4-bit V)": dict(k_class="k5v4", v_class="k5v4"),
+    "all k5v5": dict(k_class="k5v5", v_class="k5v5"),
     "K per token, all int4": dict(k_scheme="token"),
 }
 
@@ -221,6 +227,8 @@ LEVERS = {
     "16-bit + K 32 + V 64 + codebook + clipping": Lever(param_bits=16, stat_bits=16, k_tokens=32, v_channels=64,
                                                         codebook=True, mse_clip=True),
     "16-bit, 5-bit K, 4-bit V": Lever(param_bits=16, stat_bits=16, k_bits=5),
+    "16-bit, 5-bit K, 4-bit V codebook": Lever(param_bits=16, stat_bits=16, k_bits=5, v_codebook=True),
+    "16-bit, 5-bit K, 5-bit V codebook": Lever(param_bits=16, stat_bits=16, k_bits=5, v_bits=5, v_codebook=True),
     "K quantized before RoPE": Lever(k_pre_rope=True),
     "16-bit + K before RoPE + V 32 channels": Lever(param_bits=16, stat_bits=16, k_pre_rope=True, v_channels=32),
     # Where the error sits: one side exact.
@@ -353,9 +361,15 @@ def main(argv=None):
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--sample", action="store_true", help="only the committed real sample (CI)")
   ap.add_argument("--save-sample", action="store_true", help="write the CI sample from the T=2048 capture")
+  ap.add_argument("--rows", default=None, help="only rows whose name starts with one of these comma-separated "
+                                             "prefixes (e.g. 'format:'); the default class's row always runs; "
+                                             "the scorecard is left alone")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   rows = all_rows()
+  if args.rows:
+    prefixes = tuple(p.strip() for p in args.rows.split(","))
+    rows = {n: f for n, f in rows.items() if n.startswith(prefixes) or n == "format: all int4"}
   bits = {f"lever: {n}": lev.bits() for n, lev in LEVERS.items()}
   results = {"bits_per_value_d128": bits | {"format v1": Lever().bits(),
                                             "format v2": Lever(param_bits=16, stat_bits=16).bits()}}
@@ -372,7 +386,7 @@ def main(argv=None):
         keep = {f"{r}{n[1:]}": a[:1024].astype(np.float16) for n, qkv in layers.items() if n in ("L7", "L22")
                 for r, a in zip("qkv", qkv)}
         np.savez_compressed(SAMPLE, **keep)
-      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows, ropes) + per_head_rows(layers)}
+      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows, ropes) + ([] if args.rows else per_head_rows(layers))}
     t = args.synthetic_tokens
     print(f"DiT-like synthetic, T = {t}", flush=True)
     layers, ropes = synthetic_layers(t, [int(s) for s in args.seeds.split(",")])
@@ -380,7 +394,7 @@ def main(argv=None):
   out = args.out or os.path.join(common.RESULTS, f"kv_quality_{'sample_' if args.sample else ''}"
                                                  f"{__import__('datetime').date.today().isoformat()}.json")
   common.write_json(out, common.run_record() | results)
-  if not args.sample:
+  if not args.sample and not args.rows:   # a partial run leaves the scorecard alone
     real = {r["row"]: r for r in results[f"real_{max(int(x) for x in args.tokens.split(','))}"]["rows"]}
     synth = {r["row"]: r for r in results[f"synthetic_{t}"]["rows"]}
     common.update_scorecard({"quality.real_median_cos_default": round(real["format: all int4"]["median_cos"], 5),

@@ -1,4 +1,4 @@
-"""The packed low-bit K/V format (version 2). See FORMAT.md for the byte layout;
+"""The packed low-bit K/V format (version 3). See FORMAT.md for the byte layout;
 ``KVStorage`` says how one is stored (classes, schemes, seeds); ``formats.calibrate``
 chooses precision classes by measured error."""
 import logging

@@ -1,4 +1,4 @@
-"""Packed low-bit K/V format, version 2: data, metadata and the plain-jnp reference.
+"""Packed low-bit K/V format, version 3: data, metadata and the plain-jnp reference.
 
 The byte-level specification lives in ``formats/FORMAT.md``; this module is its
 executable form. Everything here is plain jnp/numpy and defines what the Pallas
@@ -8,11 +8,15 @@ Vocabulary
 ----------
 * block: 64 consecutive tokens of one sequence. It is the quantization tile, the
   attention K/V tile and the Sol routing block at once.
-* class: the storage precision of a block, one of ``int4`` (default), ``int8`` or
-  ``bf16``. Every block of every head and batch row has the same class, chosen by a
-  token-range / layer / timestep policy (``resolve_block_classes``).
-* slot: a block's position inside the store of its class. Each class has its own
-  compact store, so an int4 block costs 4 bits per value and a bf16 block 16.
+* class: the storage precision of a block, one of ``CLASSES``: ``int4`` (default),
+  ``k5v4``, ``k5v5``, ``int8`` or ``bf16``. A class gives K and V each a code width
+  (``CLASS_WIDTHS``: 4, 5, 8 or 16 bits). Every block of every head and batch row
+  has the same class, chosen by a token-range / layer / timestep policy
+  (``resolve_block_classes``).
+* store: the compact arrays of one role (K or V) at one width; slot: a block's
+  position inside the store its class gives each role (``PackedKVMeta.block_slots``).
+  An int4 block costs 4 bits per value, a k5v4 block 5 for K and 4 for V (its V
+  shares the 4-bit V store with the int4 blocks).
 * rotation: K and Q are multiplied by an orthogonal matrix ``R_k`` after RoPE, V by
   ``R_v``. Both are signed Walsh-Hadamard matrices built from a seed
   (``hadamard_rotation``). ``(q R)(k R)^T = q k^T``, so attention is unchanged.
@@ -44,11 +48,18 @@ __all__ = [
     "BLOCK",
     "CLASSES",
     "CLASS_ID",
+    "CLASS_WIDTHS",
+    "CODE_LEVELS",
+    "PRECISION_ORDER",
+    "WIDTHS",
+    "class_rank",
+    "pack_bits",
+    "store_names",
+    "unpack_bits",
     "DEFAULT_K_SCHEME",
     "DEFAULT_V_SCHEME",
     "FORMAT_VERSION",
     "K_SCHEMES",
-    "LEVELS",
     "PARAM_DTYPE",
     "STAT_DTYPE",
     "PackedKV",
@@ -75,8 +86,11 @@ __all__ = [
     "unpack_nibbles",
 ]
 
-FORMAT_VERSION = 2
-# Version 2 stores scales and zeros in float16 and the block statistics in bfloat16
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+# Version 3 adds the classes k5v4 and k5v5 (K and V with their own code widths, 5-bit
+# stores); a version-2 record is a version-3 record that uses classes 0-2 only, so it
+# stays readable. Version 2 stores scales and zeros in float16 and the block statistics in bfloat16
 # (version 1: float32). The format-v2 study (benchmarks/NOTES.md) measured no quality
 # cost: codes are chosen against the rounded parameters, so the decoder sees exactly
 # what the quantizer used. Stats are bfloat16 because a V sum over 64 tokens can pass
@@ -85,9 +99,16 @@ PARAM_DTYPE = "float16"
 STAT_DTYPE = "bfloat16"
 FP16_MAX = 65504.0
 BLOCK = 64
-CLASSES = ("int4", "int8", "bf16")
+# Class ids are wire values (block_classes): new classes append, never renumber.
+CLASSES = ("int4", "int8", "bf16", "k5v4", "k5v5")
 CLASS_ID = {name: i for i, name in enumerate(CLASSES)}
-LEVELS = {"int4": 15, "int8": 255}
+# (K width, V width) in bits of each class; 16 is the bf16 store.
+CLASS_WIDTHS = {"int4": (4, 4), "int8": (8, 8), "bf16": (16, 16), "k5v4": (5, 4), "k5v5": (5, 5)}
+WIDTHS = (4, 5, 8, 16)
+# Largest code of each quantized width (codes are in [0, L]).
+CODE_LEVELS = {4: 15, 5: 31, 8: 255}
+# Lowest to highest precision: where two policies meet, the higher class wins.
+PRECISION_ORDER = ("int4", "k5v4", "k5v5", "int8", "bf16")
 K_SCHEMES = ("channel", "token")
 V_SCHEMES = ("token", "token_g64")
 DEFAULT_K_SCHEME = "channel"
@@ -135,6 +156,11 @@ def hadamard_rotation(head_dim: int, seed: int) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # Precision policy: token ranges / layers / timesteps -> per-block classes
 # --------------------------------------------------------------------------------------
+def class_rank(cls) -> int:
+  """Position of a class (name or id) in ``PRECISION_ORDER``."""
+  return PRECISION_ORDER.index(CLASSES[cls] if isinstance(cls, (int, np.integer)) else cls)
+
+
 def resolve_block_classes(
     num_tokens: int,
     token_ranges: Sequence[tuple[int, int, str]] = (),
@@ -150,8 +176,8 @@ def resolve_block_classes(
   ``token_ranges``: ``(start, end, class)`` half-open token ranges (text, references,
   audio...). ``layer_classes`` maps a layer index to a class for the whole layer, and
   ``timestep_classes`` holds ``(t_lo, t_hi, class)`` intervals (inclusive) for the
-  whole step. The highest precision that applies wins, and a block holding any token
-  of a higher class takes that class.
+  whole step. The highest precision that applies wins (``PRECISION_ORDER``), and a
+  block holding any token of a higher class takes that class.
   """
   for name in [default, *(r[2] for r in token_ranges), *(layer_classes or {}).values(),
                *(t[2] for t in timestep_classes)]:
@@ -159,21 +185,22 @@ def resolve_block_classes(
       raise ValueError(f"unknown precision class {name!r}; use one of {CLASSES}")
   if num_tokens <= 0:
     raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-  floor_class = CLASS_ID[default]
+  # Work in ranks (PRECISION_ORDER), return ids.
+  floor_rank = class_rank(default)
   if layer is not None and layer_classes and layer in layer_classes:
-    floor_class = max(floor_class, CLASS_ID[layer_classes[layer]])
+    floor_rank = max(floor_rank, class_rank(layer_classes[layer]))
   if timestep is not None:
     for lo, hi, name in timestep_classes:
       if lo <= timestep <= hi:
-        floor_class = max(floor_class, CLASS_ID[name])
+        floor_rank = max(floor_rank, class_rank(name))
   num_blocks = -(-num_tokens // BLOCK)
-  classes = np.full((num_blocks,), floor_class, np.int32)
+  ranks = np.full((num_blocks,), floor_rank, np.int32)
   for start, end, name in token_ranges:
     if not (0 <= start < end <= num_tokens):
       raise ValueError(f"token range ({start}, {end}) is outside [0, {num_tokens})")
     b0, b1 = start // BLOCK, -(-end // BLOCK)
-    classes[b0:b1] = np.maximum(classes[b0:b1], CLASS_ID[name])
-  return tuple(int(c) for c in classes)
+    ranks[b0:b1] = np.maximum(ranks[b0:b1], class_rank(name))
+  return tuple(CLASS_ID[PRECISION_ORDER[r]] for r in ranks)
 
 
 # --------------------------------------------------------------------------------------
@@ -195,8 +222,9 @@ class PackedKVMeta:
   block: int = BLOCK
 
   def __post_init__(self):
-    if self.version != FORMAT_VERSION:
-      raise ValueError(f"packed K/V version {self.version} is not readable by version {FORMAT_VERSION}")
+    if self.version not in READABLE_VERSIONS:
+      raise ValueError(f"packed K/V version {self.version} is not readable by version {FORMAT_VERSION} "
+                       f"(reads {READABLE_VERSIONS})")
     if self.block != BLOCK:
       raise ValueError(f"block must be {BLOCK}, got {self.block}")
     check_head_dim(self.head_dim)
@@ -206,24 +234,41 @@ class PackedKVMeta:
       raise ValueError(f"v_scheme {self.v_scheme!r} unknown; use one of {V_SCHEMES}")
     if len(self.block_classes) != self.num_blocks:
       raise ValueError(f"block_classes has {len(self.block_classes)} entries, need {self.num_blocks}")
-    if any(c not in (0, 1, 2) for c in self.block_classes):
-      raise ValueError("block_classes entries must be 0 (int4), 1 (int8) or 2 (bf16)")
+    known = range(3 if self.version == 2 else len(CLASSES))
+    if any(c not in known for c in self.block_classes):
+      raise ValueError("block_classes entries must be class ids: "
+                       + ", ".join(f"{i} ({CLASSES[i]})" for i in known))
 
   @property
   def num_blocks(self) -> int:
     return -(-self.num_tokens // BLOCK)
 
   def slots(self, cls: str) -> tuple[int, ...]:
-    """Global block index of every slot of class ``cls``, in order."""
+    """Global block index of every block of class ``cls``, in order."""
     cid = CLASS_ID[cls]
     return tuple(b for b, c in enumerate(self.block_classes) if c == cid)
 
-  def block_slots(self) -> np.ndarray:
-    """(NB,) int32: each block's slot inside the store of its class (the inverse of
-    ``slots``); with ``block_classes`` it locates every block's data."""
+  def block_widths(self, role: str) -> np.ndarray:
+    """(NB,) int32: the code width of ``role`` ('k' or 'v') in each block."""
+    i = ("k", "v").index(role)
+    return np.asarray([CLASS_WIDTHS[CLASSES[c]][i] for c in self.block_classes], np.int32)
+
+  def store_blocks(self, role: str, width: int) -> tuple[int, ...]:
+    """Global block index of every slot of the ``role`` store of width ``width``, in
+    order: the blocks whose class gives ``role`` that width."""
+    return tuple(int(b) for b in np.flatnonzero(self.block_widths(role) == width))
+
+  def widths(self, role: str) -> tuple[int, ...]:
+    """The widths of ``role`` that have blocks, in ``WIDTHS`` order."""
+    present = set(self.block_widths(role).tolist())
+    return tuple(w for w in WIDTHS if w in present)
+
+  def block_slots(self, role: str) -> np.ndarray:
+    """(NB,) int32: each block's slot inside the ``role`` store of its width (the
+    inverse of ``store_blocks``); with ``block_widths`` it locates every block's data."""
     out = np.zeros((self.num_blocks,), np.int32)
-    for cls in CLASSES:
-      for slot, blk in enumerate(self.slots(cls)):
+    for w in WIDTHS:
+      for slot, blk in enumerate(self.store_blocks(role, w)):
         out[blk] = slot
     return out
 
@@ -235,10 +280,20 @@ class PackedKVMeta:
     return PackedKVMeta(**(d | {"block_classes": tuple(d["block_classes"])}))
 
 
-def scale_shape(meta: PackedKVMeta, role: str, cls: str) -> tuple[int, ...]:
-  """Shape of the scale (and zero) buffer of ``role`` ('k' or 'v') in class ``cls``."""
+def store_names(role: str, width: int) -> tuple[str, ...]:
+  """PackedKV array names of the ``role`` store of width ``width``: codes (and the
+  5-bit store's fifth-bit plane), scale, zero; or the bf16 store."""
+  if width == 16:
+    return (f"{role}_bf16",)
+  extra = (f"{role}_bits5",) if width == 5 else ()
+  return (f"{role}_codes{width}", *extra, f"{role}_scale{width}", f"{role}_zero{width}")
+
+
+def scale_shape(meta: PackedKVMeta, role: str, width: int) -> tuple[int, ...]:
+  """Shape of the scale (and zero) buffer of the ``role`` ('k' or 'v') store of width
+  ``width``."""
   b, h, d = meta.batch, meta.heads, meta.head_dim
-  n = len(meta.slots(cls))
+  n = len(meta.store_blocks(role, width))
   scheme = meta.k_scheme if role == "k" else meta.v_scheme
   if scheme == "channel":
     return (b, h, n, d)
@@ -251,14 +306,16 @@ def buffer_specs(meta: PackedKVMeta) -> dict[str, tuple[tuple[int, ...], str]]:
   b, h, d, nb = meta.batch, meta.heads, meta.head_dim, meta.num_blocks
   specs = {}
   for role in ("k", "v"):
-    n4, n8, n16 = (len(meta.slots(c)) * BLOCK for c in CLASSES)
-    specs[f"{role}_codes4"] = ((b, h, n4, d // 2), "uint8")
-    specs[f"{role}_scale4"] = (scale_shape(meta, role, "int4"), PARAM_DTYPE)
-    specs[f"{role}_zero4"] = (scale_shape(meta, role, "int4"), PARAM_DTYPE)
-    specs[f"{role}_codes8"] = ((b, h, n8, d), "uint8")
-    specs[f"{role}_scale8"] = (scale_shape(meta, role, "int8"), PARAM_DTYPE)
-    specs[f"{role}_zero8"] = (scale_shape(meta, role, "int8"), PARAM_DTYPE)
-    specs[f"{role}_bf16"] = ((b, h, n16, d), "bfloat16")
+    for w in WIDTHS:
+      n = len(meta.store_blocks(role, w)) * BLOCK
+      if w == 16:
+        specs[f"{role}_bf16"] = ((b, h, n, d), "bfloat16")
+        continue
+      specs[f"{role}_codes{w}"] = ((b, h, n, d if w == 8 else d // 2), "uint8")
+      if w == 5:
+        specs[f"{role}_bits5"] = ((b, h, n, d // 8), "uint8")
+      specs[f"{role}_scale{w}"] = (scale_shape(meta, role, w), PARAM_DTYPE)
+      specs[f"{role}_zero{w}"] = (scale_shape(meta, role, w), PARAM_DTYPE)
   specs["k_mean"] = ((b, h, nb, d), STAT_DTYPE)
   specs["v_sum"] = ((b, h, nb, d), STAT_DTYPE)
   return specs
@@ -349,6 +406,20 @@ def pack_nibbles(codes: jax.Array) -> jax.Array:
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
   """(..., D/2) uint8 -> (..., D) uint8 codes; the inverse of ``pack_nibbles``."""
   return jnp.concatenate([packed & 0xF, packed >> 4], axis=-1)
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+  """(..., N) values in {0, 1}, N a multiple of 8 -> (..., N/8) uint8: channel c in bit
+  c % 8 of byte c // 8 (numpy's ``packbits(bitorder="little")``). The 5-bit store's
+  fifth-bit plane; kernels call it on each channel half (D/2 is a multiple of 8)."""
+  x = bits.astype(jnp.int32).reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8)
+  return jnp.sum(x << jnp.arange(8, dtype=jnp.int32), axis=-1).astype(jnp.uint8)
+
+
+def unpack_bits(packed: jax.Array) -> jax.Array:
+  """(..., N/8) uint8 -> (..., N) int32 in {0, 1}; the inverse of ``pack_bits``."""
+  x = (packed.astype(jnp.int32)[..., None] >> jnp.arange(8, dtype=jnp.int32)) & 1
+  return x.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
 def round_params(scale: jax.Array, zero: jax.Array):
@@ -452,19 +523,23 @@ def quantize_reference(k_rot: jax.Array, v_rot: jax.Array, meta: PackedKVMeta) -
   arrays = {}
   for role, x, scheme in (("k", k_rot, meta.k_scheme), ("v", v_rot, meta.v_scheme)):
     xb = _blocked(x.astype(jnp.float32), nb * BLOCK)
-    for cls in CLASSES:
-      idx = np.asarray(meta.slots(cls), np.int32)
+    for w in WIDTHS:
+      idx = np.asarray(meta.store_blocks(role, w), np.int32)
       sel, vsel = xb[:, :, idx], valid[idx]
       n = len(idx)
-      if cls == "bf16":
+      if w == 16:
         arrays[f"{role}_bf16"] = sel.reshape(b, h, n * BLOCK, d).astype(jnp.bfloat16)
         continue
-      suffix = "4" if cls == "int4" else "8"
-      codes, scale, zero = _quantize_blocks(sel, vsel, scheme, LEVELS[cls])
-      codes = codes.reshape(b, h, n * BLOCK, d)
-      arrays[f"{role}_codes{suffix}"] = pack_nibbles(codes) if cls == "int4" else codes.astype(jnp.uint8)
-      arrays[f"{role}_scale{suffix}"] = scale.astype(PARAM_DTYPE)
-      arrays[f"{role}_zero{suffix}"] = zero.astype(PARAM_DTYPE)
+      codes, scale, zero = _quantize_blocks(sel, vsel, scheme, CODE_LEVELS[w])
+      codes = codes.reshape(b, h, n * BLOCK, d).astype(jnp.int32)
+      if w == 8:
+        arrays[f"{role}_codes8"] = codes.astype(jnp.uint8)
+      else:  # the low four bits split-half packed; width 5 adds the fifth-bit plane
+        arrays[f"{role}_codes{w}"] = pack_nibbles(codes & 0xF)
+        if w == 5:
+          arrays[f"{role}_bits5"] = pack_bits(codes >> 4)
+      arrays[f"{role}_scale{w}"] = scale.astype(PARAM_DTYPE)
+      arrays[f"{role}_zero{w}"] = zero.astype(PARAM_DTYPE)
   arrays["k_mean"], arrays["v_sum"] = (a.astype(STAT_DTYPE) for a in block_stats_reference(k_rot, v_rot))
   return PackedKV(meta, arrays)
 
@@ -477,20 +552,21 @@ def dequantize_reference(packed: PackedKV) -> tuple[jax.Array, jax.Array]:
   out = []
   for role, scheme in (("k", meta.k_scheme), ("v", meta.v_scheme)):
     full = jnp.zeros((b, h, nb, BLOCK, d), jnp.float32)
-    for cls in CLASSES:
-      idx = np.asarray(meta.slots(cls), np.int32)
+    for w in WIDTHS:
+      idx = np.asarray(meta.store_blocks(role, w), np.int32)
       n = len(idx)
       if n == 0:
         continue
-      if cls == "bf16":
+      if w == 16:
         vals = packed.arrays[f"{role}_bf16"].astype(jnp.float32)
       else:
-        suffix = "4" if cls == "int4" else "8"
-        codes = packed.arrays[f"{role}_codes{suffix}"]
-        codes = unpack_nibbles(codes) if cls == "int4" else codes
+        codes = packed.arrays[f"{role}_codes{w}"]
+        codes = codes if w == 8 else unpack_nibbles(codes).astype(jnp.int32)
+        if w == 5:
+          codes = codes | (unpack_bits(packed.arrays[f"{role}_bits5"]) << 4)
         vals = _dequantize_blocks(codes.astype(jnp.float32).reshape(b, h, n, BLOCK, d),
-                                  packed.arrays[f"{role}_scale{suffix}"],
-                                  packed.arrays[f"{role}_zero{suffix}"], scheme)
+                                  packed.arrays[f"{role}_scale{w}"],
+                                  packed.arrays[f"{role}_zero{w}"], scheme)
       full = full.at[:, :, idx].set(vals.reshape(b, h, n, BLOCK, d))
     full = full.reshape(b, h, nb * BLOCK, d)[:, :, : meta.num_tokens]
     out.append(full.transpose(0, 2, 1, 3))

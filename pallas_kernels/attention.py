@@ -22,6 +22,7 @@ Which inputs take which path (``method="auto"``):
 | ``q_segment_ids`` / ``kv_segment_ids`` (packed varlen) or ``kv_mask`` | fused (block skipping over segments) |
 | CPU, interpret mode, no cuDNN (compute capability < 8.0) | fused |
 | ``scratch_bytes`` below one head's bf16 K and V plus 64 query rows | fused |
+| any k5v4 / k5v5 block (the fused kernel reads int4, int8, bf16 only) | streamed, on the CPU too (XLA attention); with segment ids or ``kv_mask``, an error |
 
 ``method="streamed"`` also runs on the CPU, with XLA's attention in place of cuDNN
 (it materializes each group's logits: for tests and small shapes).
@@ -44,7 +45,7 @@ from formats.reference import attention_lse_f32
 from pallas_kernels.attention_config import DENSE_METHODS as METHODS
 from pallas_kernels.attention_config import Dense
 from pallas_kernels.attention_fused import fused_attention
-from pallas_kernels.backend import on_gpu, over_chunks, resolve_interpret, resolve_sm_scale
+from pallas_kernels.backend import classes_outside_fused, on_gpu, over_chunks, resolve_interpret, resolve_sm_scale
 from pallas_kernels.kv_dequant import dequantize_group
 
 __all__ = ["Dense", "METHODS", "StreamedPlan", "packed_attention", "packed_attention_lse",
@@ -203,6 +204,7 @@ def resolve_method(method, q, packed, *, masked: bool, interpret: bool, scratch_
     return "fused", None
   b, tq, h, d = q.shape
   plan = streamed_plan(b, tq, packed.meta.num_tokens, h, d, scratch_bytes)
+  outside = classes_outside_fused(packed.meta.block_classes)   # the fused kernel cannot read them
   reason = None
   if masked:
     reason = ("segment ids and kv_mask run on the fused kernel (cuDNN takes only per-row key lengths: "
@@ -211,9 +213,13 @@ def resolve_method(method, q, packed, *, masked: bool, interpret: bool, scratch_
     need = streamed_plan(b, tq, packed.meta.num_tokens, h, d, 1 << 62).scratch // h
     reason = (f"scratch_bytes={scratch_bytes} holds less than one head's bf16 K and V plus 64 query rows "
               f"(one head needs about {need} bytes at Tkv={packed.meta.num_tokens})")
-  if method == "streamed":
+  if method == "streamed" or outside:
     if reason is not None:
-      raise NotImplementedError(f"method='streamed' cannot run: {reason}; use method='fused'")
+      fix = (f"classes {outside} are read by the streamed method only: store the blocks as int4, int8 or bf16"
+             if outside else "use method='fused'")
+      raise NotImplementedError(f"method='streamed' cannot run: {reason}; {fix}")
+    if method == "auto":
+      log.info("packed_attention auto: streamed (classes %s: the fused kernel does not read them)", outside)
     return "streamed", plan
   if reason is None:
     reason = "interpret mode runs the fused kernel" if interpret else cudnn_unsupported_reason()

@@ -64,7 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import (INT4_OFFSET, LN2, LOG2E, M_INIT, NamedInputs, dot, int4_halves, int8_to_bf16,
+from pallas_kernels.backend import (INT4_OFFSET, refuse_outside_fused, LN2, LOG2E, M_INIT, NamedInputs, dot, int4_halves, int8_to_bf16,
                                     unrotate_halves)
 
 BLOCK = fmt.BLOCK
@@ -289,6 +289,9 @@ def fused_attention(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated
   f32 log-sum-exp of each row's scaled logits (for merging partial attentions).
   """
   meta = packed.meta
+  refuse_outside_fused(meta, "dense attention method='fused'",
+                       "method='streamed' reads every class (segment ids and kv_mask need the fused method: "
+                       "store those blocks as int4, int8 or bf16)")
   b, tq, h, d = q.shape
   masked = q_seg is not None or kv_mask is not None
   classes = tuple((c, len(meta.slots(c))) for c in fmt.CLASSES if meta.slots(c))

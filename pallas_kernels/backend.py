@@ -14,6 +14,25 @@ LOG2E = math.log2(math.e)  # softmax in base 2: sm_scale * log2(e) rides in the 
 LN2 = math.log(2.0)        # base-2 log-sum-exp back to natural log
 M_INIT = -1e30             # running max start: finite, so exp2(m_prev - m_new) never sees inf - inf
 INT4_OFFSET = 128.0        # int4_halves returns code + INT4_OFFSET
+# The classes the fused kernels (fused attention, fused Sol, fused projection) read or
+# write in their loops; every other class goes through the one decoder (kv_dequant) and
+# the chunked epilogue.
+FUSED_CLASSES = ("int4", "int8", "bf16")
+
+
+def classes_outside_fused(block_classes) -> list[str]:
+  """The names of the classes among ``block_classes`` (ids) that the fused kernels do
+  not read, sorted."""
+  from formats.packed_kv import CLASSES
+  return sorted({CLASSES[c] for c in block_classes} - set(FUSED_CLASSES))
+
+
+def refuse_outside_fused(meta, kernel: str, fix: str) -> None:
+  """Raise NotImplementedError naming the classes of ``meta`` that ``kernel`` (a fused
+  kernel) does not read, and ``fix``."""
+  outside = classes_outside_fused(meta.block_classes)
+  if outside:
+    raise NotImplementedError(f"{kernel} reads classes {list(FUSED_CLASSES)} only, not {outside}; {fix}")
 
 
 def on_gpu() -> bool:

@@ -16,10 +16,11 @@ Kernel layout
   compiled kernel serves every group of a ``fori_loop``. The packed arrays come in
   per batch row (BlockSpec ``(None, H, ...)``) and the kernel indexes the head
   itself.
-* A block's class is data: ``classes[blk]`` / ``slots[blk]`` pick the store and the
-  slot, one ``pl.when`` branch per class that has blocks. Every class (int4, int8,
-  bf16) and every K/V scheme decodes here, the ragged last block included (its rows
-  past T are not stored).
+* A block's class is data: for each role, ``{k,v}_widths[blk]`` / ``{k,v}_slots[blk]``
+  pick the store of that code width and the slot, one ``pl.when`` branch per width the
+  role has blocks at. Every class (int4, k5v4, k5v5, int8, bf16) and every K/V scheme
+  decodes here, the ragged last block included (its rows past T are not stored). A
+  5-bit code is the int4 layout's nibble plus 16 times its bit in the fifth-bit plane.
 * Outputs are (B, T, g, D) bf16 (cuDNN's BTNH layout, ``layout="bthd"``), written
   with masked row stores, or (B, g, NB * 64, D) (one 64-row slot per block,
   ``layout="bhtd"``: what Sol's exact loop reads), whose rows past T are written as
@@ -79,35 +80,38 @@ def dequantize_group_int8_k_reference(packed: fmt.PackedKV, head0: int, heads: i
   return codes.astype(jnp.int8), scale, v
 
 
-def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, store):
+def _kernel(*refs, names, meta: fmt.PackedKVMeta, unrotate_v, layout, store):
   r = dict(zip(names, refs))
   d = meta.head_dim
   dh = d // 2
   lo_c, hi_c = pl.ds(0, dh), pl.ds(dh, dh)
   h = r["head0"][0] + pl.program_id(0)
   blk = pl.program_id(1)
-  cls_id, slot = r["classes"][blk], r["slots"][blk]
-  rows = pl.ds(slot * BLOCK, BLOCK)
   valid = (blk * BLOCK + jnp.arange(BLOCK)) < meta.num_tokens
   out_rows = pl.ds(blk * BLOCK, BLOCK)
 
-  def codes_f32(role, cls):
+  def codes_f32(role, width, rows):
     """The slot's codes as f32 halves (exact)."""
-    if cls == "int4":
-      lo, hi = int4_halves(r[role + "_codes4"][h, rows, :])
-      return lo.astype(jnp.float32) - INT4_OFFSET, hi.astype(jnp.float32) - INT4_OFFSET
-    c8 = r[role + "_codes8"]
-    return (int8_to_bf16(c8[h, rows, lo_c]).astype(jnp.float32),
-            int8_to_bf16(c8[h, rows, hi_c]).astype(jnp.float32))
+    if width == 8:
+      c8 = r[role + "_codes8"]
+      return (int8_to_bf16(c8[h, rows, lo_c]).astype(jnp.float32),
+              int8_to_bf16(c8[h, rows, hi_c]).astype(jnp.float32))
+    lo, hi = int4_halves(r[f"{role}_codes{width}"][h, rows, :])
+    lo, hi = lo.astype(jnp.float32) - INT4_OFFSET, hi.astype(jnp.float32) - INT4_OFFSET
+    if width == 5:  # each half's fifth bits: D/16 bytes of the plane
+      plane, nb = r[role + "_bits5"], dh // 8
+      lo = lo + 16.0 * fmt.unpack_bits(plane[h, rows, pl.ds(0, nb)]).astype(jnp.float32)
+      hi = hi + 16.0 * fmt.unpack_bits(plane[h, rows, pl.ds(nb, nb)]).astype(jnp.float32)
+    return lo, hi
 
-  def decoded(role, cls):
+  def decoded(role, width, slot):
     """(64, D/2) f32 halves of the slot's values: code * scale + zero."""
-    if cls == "bf16":
+    rows = pl.ds(slot * BLOCK, BLOCK)
+    if width == 16:
       x = r[role + "_bf16"]
       return x[h, rows, lo_c].astype(jnp.float32), x[h, rows, hi_c].astype(jnp.float32)
-    c_lo, c_hi = codes_f32(role, cls)
-    sfx = "4" if cls == "int4" else "8"
-    s_ref, z_ref = r[f"{role}_scale{sfx}"], r[f"{role}_zero{sfx}"]
+    c_lo, c_hi = codes_f32(role, width, rows)
+    s_ref, z_ref = r[f"{role}_scale{width}"], r[f"{role}_zero{width}"]
     scheme = meta.k_scheme if role == "k" else meta.v_scheme
     if scheme == "channel":  # (H, N, D): one row per slot
       params = [(s_ref[h, slot, c][None, :], z_ref[h, slot, c][None, :]) for c in (lo_c, hi_c)]
@@ -130,10 +134,11 @@ def _kernel(*refs, names, meta: fmt.PackedKVMeta, present, unrotate_v, layout, s
       ref[out_rows, hi_c] = jnp.where(m, hi, jnp.zeros_like(hi))
 
   for role in ("k", "v"):
-    for cls in present:
-      @pl.when(cls_id == fmt.CLASS_ID[cls])
-      def _(cls=cls, role=role):
-        lo, hi = decoded(role, cls)
+    width, slot = r[role + "_widths"][blk], r[role + "_slots"][blk]
+    for w in meta.widths(role):
+      @pl.when(width == w)
+      def _(w=w, role=role, slot=slot):
+        lo, hi = decoded(role, w, slot)
         if role == "k" and store == "int8_k":
           # quantize_rows_int8 over the two halves (Triton cannot slice a loaded value).
           lo, hi = lo - r["center"][h, lo_c][None, :], hi - r["center"][h, hi_c][None, :]
@@ -168,20 +173,14 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
     raise ValueError("store='int8_k' needs layout='bhtd' and center=(B, H, D) float32 (Sol's k_global)")
   meta = packed.meta
   b, t, d = meta.batch, meta.num_tokens, meta.head_dim
-  present = tuple(c for c in fmt.CLASSES if meta.slots(c))
   inputs = NamedInputs()
   inputs.add_whole("head0", jnp.reshape(jnp.asarray(head0, jnp.int32), (1,)))
-  inputs.add_whole("classes", jnp.asarray(meta.block_classes, jnp.int32))
-  inputs.add_whole("slots", jnp.asarray(meta.block_slots()))
   per_batch = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda j, blk, bi: (bi,) + (0,) * (x.ndim - 1))
-  for cls in present:
-    for role in ("k", "v"):
-      if cls == "bf16":
-        names_cls = [f"{role}_bf16"]
-      else:
-        sfx = "4" if cls == "int4" else "8"
-        names_cls = [f"{role}_codes{sfx}", f"{role}_scale{sfx}", f"{role}_zero{sfx}"]
-      for name in names_cls:
+  for role in ("k", "v"):
+    inputs.add_whole(role + "_widths", jnp.asarray(meta.block_widths(role)))
+    inputs.add_whole(role + "_slots", jnp.asarray(meta.block_slots(role)))
+    for w in meta.widths(role):
+      for name in fmt.store_names(role, w):
         inputs.add_spec(name, packed.arrays[name], per_batch(packed.arrays[name]))
   if unrotate_v:
     inputs.add_whole("ht", jnp.asarray(fmt.hadamard_signs(d, meta.rotation_seed_v).T, jnp.bfloat16))
@@ -204,8 +203,8 @@ def dequantize_group(packed: fmt.PackedKV, head0, heads: int, *, unrotate_v: boo
     out_shapes = [jax.ShapeDtypeStruct(shape.shape, jnp.int8), jax.ShapeDtypeStruct((b, heads, rows), jnp.float32),
                   shape]
   return pl.pallas_call(
-      functools.partial(_kernel, names=inputs.ref_names(*names), meta=meta, present=present,
-                        unrotate_v=unrotate_v, layout=layout, store=store),
+      functools.partial(_kernel, names=inputs.ref_names(*names), meta=meta, unrotate_v=unrotate_v,
+                        layout=layout, store=store),
       grid=(heads, meta.num_blocks, b),
       in_specs=inputs.specs,
       out_specs=out_specs,

@@ -20,9 +20,9 @@ Kernel layout
   64-aligned. The final buffers are each head's arrays over all batch rows (the batch
   row is data too), written with masked ``pl.ds`` stores at the block's row, slot or
   stat row.
-* A block's precision class is data, not code: ``classes[blk]`` and ``slots[blk]``
-  (int32 tables over the global blocks) pick the store with ``pl.when``, one branch
-  per class that has blocks.
+* A block's precision class is data, not code: for each role, ``{k,v}_widths[blk]``
+  and ``{k,v}_slots[blk]`` (int32 tables over the global blocks) pick the store of that
+  code width with ``pl.when``, one branch per width the role has blocks at.
 * A norm across heads needs each token's mean square over all H*D channels of q and
   of k, which no (head, block) program sees: the caller computes it per chunk in jnp
   (``across_head_mean_squares``, one reduction XLA fuses) and passes it as ``ms``.
@@ -43,8 +43,7 @@ from formats import packed_kv as fmt
 from pallas_kernels import rope
 from pallas_kernels.backend import NamedInputs
 from pallas_kernels.qkv_layout import QKVLayout, rms_norm_reference
-from pallas_kernels.qkv_ops import (EpilogueConstants, add_bias, block_stats, class_array_names,
-                                           norm_rope, rotate, store_class)
+from pallas_kernels.qkv_ops import EpilogueConstants, add_bias, block_stats, norm_rope, rotate, store_width
 
 BLOCK = fmt.BLOCK
 
@@ -97,7 +96,8 @@ class _Config:
   k_scheme: str
   v_scheme: str
   quadrants: tuple
-  present: tuple        # the classes that have blocks (each gets a store branch)
+  k_widths: tuple       # the code widths K has blocks at (each gets a store branch)
+  v_widths: tuple
   added_from: int | None = None   # joint attention: the first token of the added part
 
 
@@ -139,18 +139,17 @@ def _kernel(*refs, names, cfg: _Config):
   plgpu.store(out("q").at[rows, pl.ds(0, dh)], lo.astype(jnp.bfloat16), mask=m)
   plgpu.store(out("q").at[rows, pl.ds(dh, dh)], hi.astype(jnp.bfloat16), mask=m)
 
-  cls_id, slot = r["classes"][blk], r["slots"][blk]
-
   def finish(role, lo, hi, scheme):
     lo, hi = block_stats(lo, hi, out("k_mean" if role == "k" else "v_sum"), blk, valid, t=cfg.t, dh=dh,
                          mean=role == "k")
-    for cls in cfg.present:
-      names = [n for n in class_array_names(cls) if n.startswith(role + "_")]
-      outs = out(names[0]) if cls == "bf16" else tuple(out(n) for n in names)
+    width, slot = r[role + "_widths"][blk], r[role + "_slots"][blk]
+    for w in (cfg.k_widths if role == "k" else cfg.v_widths):
+      names = fmt.store_names(role, w)
+      outs = out(names[0]) if w == 16 else tuple(out(n) for n in names)
 
-      @pl.when(cls_id == fmt.CLASS_ID[cls])
-      def _(cls=cls, outs=outs):
-        store_class(lo, hi, valid, outs, cls=cls, scheme=scheme, dh=dh, slot=slot)
+      @pl.when(width == w)
+      def _(w=w, outs=outs):
+        store_width(lo, hi, valid, outs, width=w, scheme=scheme, dh=dh, slot=slot)
 
   # K is finished and stored before V is loaded, to keep register use down.
   finish("k", *qk("k", "k_norm"), cfg.k_scheme)
@@ -175,12 +174,12 @@ class _AtRow:
 
 
 def buffer_names(meta) -> tuple:
-  """The buffers the kernel writes, in output order: q, the stats, then each
-  present class's arrays."""
+  """The buffers the kernel writes, in output order: q, the stats, then the arrays of
+  each store that has blocks (K's, then V's)."""
   names = ["q", "k_mean", "v_sum"]
-  for cls in fmt.CLASSES:
-    if meta.slots(cls):
-      names += class_array_names(cls)
+  for role in ("k", "v"):
+    for w in meta.widths(role):
+      names += fmt.store_names(role, w)
   return tuple(names)
 
 
@@ -236,15 +235,16 @@ def epilogue_call(y, bias, row0, shift, batch_index, buffers, cos, sin, consts: 
     raise ValueError(f"y must be (rows, 3HD) with rows a multiple of {BLOCK}, got {y.shape}")
   shapes = _buffer_shapes(meta)
   cfg = _Config(t=meta.num_tokens, layout=consts.layout, k_scheme=meta.k_scheme,
-                v_scheme=meta.v_scheme, quadrants=consts.quadrants,
-                present=tuple(c for c in fmt.CLASSES if meta.slots(c)), added_from=added_from)
+                v_scheme=meta.v_scheme, quadrants=consts.quadrants, k_widths=meta.widths("k"),
+                v_widths=meta.widths("v"), added_from=added_from)
   if added_from is not None and (bias is None) != (added_bias is None):   # one part without a bias: zeros
     bias, added_bias = (jnp.zeros((width,), jnp.float32) if b is None else b for b in (bias, added_bias))
 
   inputs = NamedInputs()
   inputs.add_whole("pos", jnp.stack([jnp.asarray(v, jnp.int32) for v in (row0, shift, batch_index)]))
-  inputs.add_whole("classes", jnp.asarray(meta.block_classes, jnp.int32))
-  inputs.add_whole("slots", jnp.asarray(meta.block_slots()))
+  for role in ("k", "v"):
+    inputs.add_whole(role + "_widths", jnp.asarray(meta.block_widths(role)))
+    inputs.add_whole(role + "_slots", jnp.asarray(meta.block_slots(role)))
   inputs.add_whole("y", y)
   if consts.layout.norm == "across":
     ms = across_head_mean_squares(y, bias, consts.layout)

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
+from pallas_kernels import backend
 from pallas_kernels.backend import dot
 from pallas_kernels.qkv_ops import (EpilogueConstants, add_bias, class_array_names, finish_block,
                                            norm_rope, rotate)
@@ -148,11 +149,11 @@ def _kv_kernel(*refs, cls, has_bias, quadrants, k_scheme, v_scheme, t, hidden, b
     k_lo, k_hi = norm_rope(k_lo, k_hi, nw_ref, cos_ref, sin_ref, p_ref, row0, BLOCK, valid,
                            dh=dh, layout=layout, quadrants=quadrants)
     k_lo, k_hi = rotate(k_lo, k_hi, h_ref, sk_ref, dh=dh)
-    finish_block(k_lo, k_hi, kmean_ref, k_out, blk, valid, cls=cls, scheme=k_scheme, t=t,
+    finish_block(k_lo, k_hi, kmean_ref, k_out, blk, valid, width=fmt.CLASS_WIDTHS[cls][0], scheme=k_scheme, t=t,
                  dh=dh, mean=True, slot=slot)
     v_lo, v_hi = add_bias(v_lo, v_hi, bv_ref, dh)
     v_lo, v_hi = rotate(v_lo, v_hi, h_ref, sv_ref, dh=dh)
-    finish_block(v_lo, v_hi, vsum_ref, v_out, blk, valid, cls=cls, scheme=v_scheme, t=t,
+    finish_block(v_lo, v_hi, vsum_ref, v_out, blk, valid, width=fmt.CLASS_WIDTHS[cls][1], scheme=v_scheme, t=t,
                  dh=dh, mean=False, slot=slot)
 
 
@@ -208,7 +209,7 @@ def _class_out(meta, cls, n, nblk=1):
   shapes, specs = [], []
   for role in ("k", "v"):
     scheme = meta.k_scheme if role == "k" else meta.v_scheme
-    sshape = jax.ShapeDtypeStruct(fmt.scale_shape(meta, role, cls), jnp.dtype(fmt.PARAM_DTYPE))
+    sshape = jax.ShapeDtypeStruct(fmt.scale_shape(meta, role, fmt.CLASS_WIDTHS[cls][0]), jnp.dtype(fmt.PARAM_DTYPE))
     if nblk > 1:
       sspec = _head_spec(sshape.shape)
     elif scheme == "channel":
@@ -309,13 +310,10 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, inte
   stats = [jnp.full((b, hh, nb, d), jnp.nan, jnp.dtype(fmt.STAT_DTYPE)) for _ in range(2)]
   stats_spec = pl.BlockSpec((None, None, nb, d), lambda h, s, bb: (bb, h, 0, 0))
   arrays = {}
-  for cls in fmt.CLASSES:
+  for cls in backend.FUSED_CLASSES:  # other classes: the chunked method (resolve_method)
     slots = meta.slots(cls)
     n = len(slots)
-    if n == 0:  # the format still lists the class, with a zero-length token axis
-      specs = fmt.buffer_specs(meta)
-      for name in class_array_names(cls):
-        arrays[name] = jnp.zeros(*specs[name])
+    if n == 0:  # the format still lists the store, with a zero-length token axis (below)
       continue
     table = jnp.asarray(np.asarray(slots, np.int32))
     kv_args = [table, x, w_qkv, w_qkv] + ([bias, bias] if bias is not None else [])
@@ -341,4 +339,6 @@ def fused_qkv(x, w_qkv, bias, cos, sin, consts: EpilogueConstants, meta, *, inte
     stats = outs[:2]
     arrays.update(zip(class_array_names(cls), outs[2:]))
   arrays["k_mean"], arrays["v_sum"] = stats
-  return q, fmt.PackedKV(meta, {name: arrays[name] for name in fmt.ARRAY_NAMES})
+  specs = fmt.buffer_specs(meta)
+  return q, fmt.PackedKV(meta, {name: arrays[name] if name in arrays else jnp.zeros(*specs[name])
+                                for name in fmt.ARRAY_NAMES})

@@ -123,18 +123,21 @@ def store_row(ref, row, col0, vec):
   plgpu.store(ref.at[pl.ds(row, 1), pl.ds(col0, vec.shape[0])], vec[None, :].astype(ref.dtype))
 
 
-def quantize_store(lo, hi, valid, scheme, levels, codes_ref, scale_ref, zero_ref, dh,
-                    slot=None):
-  """Quantize one block's (64, D/2) halves and store codes, scales, zeros.
+def quantize_store(lo, hi, valid, scheme, width, refs, dh, slot=None):
+  """Quantize one block's (64, D/2) halves to ``width``-bit codes (4, 5 or 8) and store
+  them with their scales and zeros; ``refs``: the store's refs in ``fmt.store_names``
+  order (codes, the fifth-bit plane at width 5, scale, zero).
 
   Same arithmetic as formats.quantize_reference (asymmetric_params, quantize_codes).
   ``slot``: None when the refs are this block's BlockSpec blocks, else the refs
   are a head's whole arrays and the block goes to slot ``slot``.
   """
+  codes_ref, scale_ref, zero_ref = refs[0], refs[-2], refs[-1]
+  levels = fmt.CODE_LEVELS[width]
   srow = 0 if slot is None else slot  # channel scheme: one row per slot
   c0 = 0 if slot is None else slot * BLOCK  # token schemes: BLOCK columns per slot
-  codes = (lambda col, w: codes_ref.at[:, pl.ds(col, w)]) if slot is None else (
-      lambda col, w: codes_ref.at[pl.ds(slot * BLOCK, BLOCK), pl.ds(col, w)])
+  at_rows = (lambda ref, col, w: ref.at[:, pl.ds(col, w)]) if slot is None else (
+      lambda ref, col, w: ref.at[pl.ds(slot * BLOCK, BLOCK), pl.ds(col, w)])
   if scheme == "channel":
     vm = valid[:, None]
     params = []
@@ -166,12 +169,18 @@ def quantize_store(lo, hi, valid, scheme, levels, codes_ref, scale_ref, zero_ref
     s_lo, z_lo, s_hi, z_hi = s_lo[:, None], z_lo[:, None], s_hi[:, None], z_hi[:, None]
   c_lo = fmt.quantize_codes(lo, s_lo, z_lo, levels).astype(jnp.int32)
   c_hi = fmt.quantize_codes(hi, s_hi, z_hi, levels).astype(jnp.int32)
-  if levels == fmt.LEVELS["int4"]:
-    packed = (c_lo | (c_hi << 4)).astype(jnp.uint8)
-    plgpu.store(codes_ref if slot is None else codes(0, dh), packed)
-  else:
-    plgpu.store(codes(0, dh), c_lo.astype(jnp.uint8))
-    plgpu.store(codes(dh, dh), c_hi.astype(jnp.uint8))
+  if width == 8:
+    plgpu.store(at_rows(codes_ref, 0, dh), c_lo.astype(jnp.uint8))
+    plgpu.store(at_rows(codes_ref, dh, dh), c_hi.astype(jnp.uint8))
+    return
+  # The low four bits split-half packed (the int4 layout); width 5 adds the fifth-bit
+  # plane, channel c at bit c % 8 of byte c // 8, each half its own D/16 bytes.
+  packed = ((c_lo & 0xF) | ((c_hi & 0xF) << 4)).astype(jnp.uint8)
+  plgpu.store(codes_ref if slot is None else at_rows(codes_ref, 0, dh), packed)
+  if width == 5:
+    nb = dh // 8
+    plgpu.store(at_rows(refs[1], 0, nb), fmt.pack_bits(c_lo >> 4))
+    plgpu.store(at_rows(refs[1], nb, nb), fmt.pack_bits(c_hi >> 4))
 
 
 def block_stats(lo, hi, stat_ref, blk, valid, *, t, dh, mean):
@@ -189,23 +198,21 @@ def block_stats(lo, hi, stat_ref, blk, valid, *, t, dh, mean):
   return lo, hi
 
 
-def store_class(lo, hi, valid, outs, *, cls, scheme, dh, slot):
-  """Store one block's halves in the stored form of class ``cls``: ``outs`` is the
-  bf16 store ref, or the (codes, scale, zero) refs of an integer class."""
-  if cls == "bf16":
+def store_width(lo, hi, valid, outs, *, width, scheme, dh, slot):
+  """Store one block's halves in the ``width``-bit store of its role: ``outs`` is the
+  bf16 store ref (width 16), or the refs of ``fmt.store_names`` (codes...)."""
+  if width == 16:
     rows = slice(None) if slot is None else pl.ds(slot * BLOCK, BLOCK)
     plgpu.store(outs.at[rows, pl.ds(0, dh)], lo.astype(outs.dtype))
     plgpu.store(outs.at[rows, pl.ds(dh, dh)], hi.astype(outs.dtype))
   else:
-    codes_ref, scale_ref, zero_ref = outs
-    quantize_store(lo, hi, valid, scheme, fmt.LEVELS[cls], codes_ref, scale_ref, zero_ref, dh,
-                   slot=slot)
+    quantize_store(lo, hi, valid, scheme, width, outs, dh, slot=slot)
 
 
-def finish_block(lo, hi, stat_ref, outs, blk, valid, *, cls, scheme, t, dh, mean, slot):
-  """``block_stats`` then ``store_class``."""
+def finish_block(lo, hi, stat_ref, outs, blk, valid, *, width, scheme, t, dh, mean, slot):
+  """``block_stats`` then ``store_width``."""
   lo, hi = block_stats(lo, hi, stat_ref, blk, valid, t=t, dh=dh, mean=mean)
-  store_class(lo, hi, valid, outs, cls=cls, scheme=scheme, dh=dh, slot=slot)
+  store_width(lo, hi, valid, outs, width=width, scheme=scheme, dh=dh, slot=slot)
 
 
 def rope_quadrants(head_dim, rot_dim, style="half"):
@@ -256,8 +263,6 @@ def epilogue_constants(layout, seed_k, seed_v, q_norm_weight, k_norm_weight, add
 
 
 def class_array_names(cls):
-  """PackedKV array names of one class, in kernel output order."""
-  if cls == "bf16":
-    return ("k_bf16", "v_bf16")
-  sfx = "4" if cls == "int4" else "8"
-  return tuple(f"{r}_{a}{sfx}" for r in "kv" for a in ("codes", "scale", "zero"))
+  """PackedKV array names of one class (K's store, then V's), in kernel output order."""
+  wk, wv = fmt.CLASS_WIDTHS[cls]
+  return fmt.store_names("k", wk) + fmt.store_names("v", wv)

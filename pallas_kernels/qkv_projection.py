@@ -282,10 +282,11 @@ def _chunked(x, w_qkv, bias, cos, sin, consts, meta, *, rows, interpret, num_war
 # Public entry point
 # --------------------------------------------------------------------------------------
 def resolve_method(method: str, num_tokens: int, hidden: int, layout: QKVLayout, scratch_bytes: int,
-                   added_hidden: int | None = None) -> str:
+                   added_hidden: int | None = None, block_classes: tuple = ()) -> str:
   """``auto`` -> ``chunked`` when one 64-row chunk fits ``scratch_bytes``, else
   ``fused`` (where it runs the layout); an explicit method is checked. Added tokens
-  (``added_hidden``, their width): chunked only."""
+  (``added_hidden``, their width) and classes beyond ``qkv_fused.FUSED_CLASSES``
+  (``block_classes``): chunked only."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
   if int(scratch_bytes) < 0:
@@ -294,6 +295,9 @@ def resolve_method(method: str, num_tokens: int, hidden: int, layout: QKVLayout,
   fused_reason = qkv_fused.unsupported_layout_reason(layout)
   if added_hidden is not None:
     fused_reason = "joint attention (added tokens) is projected by the chunked method only"
+  split = backend.classes_outside_fused(block_classes)
+  if split:
+    fused_reason = f"classes {split} are written by the chunked method only"
   need = chunk_scratch_bytes(BLOCK, hidden, layout.width, added_hidden)
   if method == "auto":
     if fits:
@@ -342,7 +346,7 @@ def streamed_qkv(x, weights: QKVWeights, *, layout: QKVLayout, rope_cos, rope_si
     raise ValueError(f"tuning.q_heads_per_program={tuning.q_heads_per_program} must divide heads={layout.heads}")
   hidden = x.shape[2]
   added_hidden = None if added is None else added.x.shape[2]
-  method = resolve_method(method, meta.num_tokens, hidden, layout, scratch_bytes, added_hidden)
+  method = resolve_method(method, meta.num_tokens, hidden, layout, scratch_bytes, added_hidden, meta.block_classes)
   return _streamed_qkv(x, weights, rope_cos, rope_sin, added, layout=layout, meta=meta, method=method,
                        scratch_bytes=int(scratch_bytes), tuning=tuning,
                        interpret=backend.resolve_interpret(interpret))

@@ -93,6 +93,16 @@ class UlyssesPlan:
     return tuple(br.index(p) for p in zip(self.local_tokens, self.local_classes))
 
 
+def _refuse_split_classes(block_classes) -> None:
+  """The sharded stores (padded per class, all-to-all per array) and the ring's
+  log-sum-exp merge (the fused kernel) know the int4, int8 and bf16 classes only."""
+  outside = backend.classes_outside_fused(block_classes)
+  if outside:
+    raise NotImplementedError(f"sequence-parallel layers store classes {list(backend.FUSED_CLASSES)} only, not "
+                              f"{outside}; store those blocks as int4, int8 or bf16 (or run attention_layer on "
+                              "one device)")
+
+
 def ulysses_plan(num_tokens: int, devices: int, block_classes=None) -> UlyssesPlan:
   """The plan for T tokens on ``devices`` devices; ``block_classes`` one class (name or
   id) per 64-token block of the whole sequence, e.g. ``KVStorage.classes_for(T)``
@@ -101,6 +111,7 @@ def ulysses_plan(num_tokens: int, devices: int, block_classes=None) -> UlyssesPl
     raise ValueError(f"num_tokens and devices must be positive, got {num_tokens}, {devices}")
   nb = -(-num_tokens // BLOCK)
   classes = (0,) * nb if block_classes is None else tuple(class_id(c) for c in block_classes)
+  _refuse_split_classes(classes)
   if len(classes) != nb:
     raise ValueError(f"block_classes has {len(classes)} entries, need {nb} for T = {num_tokens}")
   per = -(-nb // devices)
@@ -113,7 +124,7 @@ def ulysses_plan(num_tokens: int, devices: int, block_classes=None) -> UlyssesPl
 
 def _slot_axis(name: str, meta: fmt.PackedKVMeta) -> tuple[int, int]:
   """(axis, values per slot) of the token/slot axis of a PackedKV array."""
-  if name.endswith(("scale4", "scale8", "zero4", "zero8")):
+  if name.endswith(("scale4", "scale5", "scale8", "zero4", "zero5", "zero8")):
     scheme = meta.k_scheme if name.startswith("k") else meta.v_scheme
     return (2, 1) if scheme == "channel" else (3, BLOCK)
   if name in ("k_mean", "v_sum"):
@@ -122,9 +133,11 @@ def _slot_axis(name: str, meta: fmt.PackedKVMeta) -> tuple[int, int]:
 
 
 def _class_of(name: str) -> str | None:
+  """The class whose blocks array ``name`` holds; None for the stats (every block).
+  The 5-bit stores are always empty here (``_refuse_split_classes``)."""
   if name in ("k_mean", "v_sum"):
     return None
-  return {"4": "int4", "8": "int8", "6": "bf16"}[name[-1]]
+  return {"4": "int4", "5": "k5v5", "8": "int8", "6": "bf16"}[name[-1]]
 
 
 def _extent(plan: UlyssesPlan, name: str, meta: fmt.PackedKVMeta, device: int | None = None) -> tuple[int, int]:
@@ -132,7 +145,9 @@ def _extent(plan: UlyssesPlan, name: str, meta: fmt.PackedKVMeta, device: int | 
   (stats: one per block of the shard), or with ``device`` that device's own slots."""
   axis, per_slot = _slot_axis(name, meta)
   cls = _class_of(name)
-  if device is None:
+  if cls == "k5v5":
+    slots = 0
+  elif device is None:
     slots = plan.shard_tokens // BLOCK if cls is None else plan.capacity[fmt.CLASSES.index(cls)]
   else:
     slots = -(-plan.local_tokens[device] // BLOCK) if cls is None else plan.slots(device, cls)
@@ -301,6 +316,7 @@ def _resolve(x, weights, layout, rope_cos, rope_sin, storage, mesh, axis_name, *
   if getattr(x, "ndim", None) != 3 or x.shape[0] == 0 or x.shape[1] == 0:
     raise ValueError(f"x must be (B, T, hidden) with B, T >= 1, got shape {tuple(getattr(x, 'shape', ()))}")
   meta = sq.check_inputs(x, weights, layout, rope_cos, rope_sin, storage)
+  _refuse_split_classes(meta.block_classes)
   proj = _Proj(layout, meta.k_scheme, meta.v_scheme, meta.rotation_seed_k, meta.rotation_seed_v,
                backend.resolve_interpret(interpret), int(scratch_bytes))
   return tuple(int(c) for c in meta.block_classes), proj

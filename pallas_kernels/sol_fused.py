@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot as _dot
-from pallas_kernels.backend import (INT4_OFFSET, LOG2E, M_INIT, NamedInputs, int4_halves, int8_to_bf16, split_bf16,
+from pallas_kernels.backend import (INT4_OFFSET, refuse_outside_fused, LOG2E, M_INIT, NamedInputs, int4_halves, int8_to_bf16, split_bf16,
                                     unrotate_halves)
 from pallas_kernels.sol_routing import (BLOCK, SolPlan, SolRouting, block_lengths, normalize_key_bias, pooled_step,
                                         walk_exact_blocks)
@@ -211,15 +211,18 @@ def _kernel(*refs, names, cfg: _KConfig):
 
 
 def _block_table(meta) -> np.ndarray:
-  """(NB,) int32 ``slot * 4 + branch``; branches are the present classes in order."""
+  """(NB,) int32 ``slot * 4 + branch``; branches are the present classes in order (the
+  kernel reads classes whose K and V share a width, so K's slots are V's)."""
   present = [fmt.CLASS_ID[c] for c in fmt.CLASSES if meta.slots(c)]
   branch = np.asarray([present.index(c) for c in meta.block_classes], np.int32)
-  return meta.block_slots() * 4 + branch
+  return meta.block_slots("k") * 4 + branch
 
 
 def fused_sol(q, packed, routing: SolRouting, key_bias, block_len, plan: SolPlan, *, keep_rotated, interpret,
               num_warps, num_stages, overwrite_q=False):
   meta = packed.meta
+  refuse_outside_fused(meta, "Sol method='fused'",
+                       "use Sol(method='streamed') or 'streamed_int8' (raise scratch_bytes if auto fell back to fused)")
   b, t, h, d = q.shape
   nb = plan.num_blocks
   branches = tuple(c for c in fmt.CLASSES if meta.slots(c))

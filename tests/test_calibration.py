@@ -36,7 +36,7 @@ def test_budget_worst_layer_first_and_measured(samples):
   pol = calibrate(samples, max_bits=5.25)
   rep = pol.report
   assert rep["bits_per_value"] <= 5.25 + 1e-6 and abs(pol.bits_per_value(1, D) - rep["bits_per_value"]) < 1e-9
-  c4, cp = rep["cos_all_int4"], rep["cos_policy"]
+  c4, cp = rep["cos_all_base"], rep["cos_policy"]
   assert c4["1"] < c4["0"]                        # the hard layer is the worst under int4
   assert min(cp.values()) > min(c4.values())      # and the policy lifts it (measured, not estimated)
   assert pol.ranges[1], "the worst layer got no int8 range"
@@ -53,7 +53,7 @@ def test_no_budget_no_upgrade_and_target_stops_early(samples):
   pol = calibrate(samples, max_bits=fmt.bits_per_value(fmt.PackedKVMeta(1, 1, D, 64, (0,))))
   assert all(r == () for r in pol.ranges.values())
   rich = calibrate(samples, max_bits=8.0)
-  c4 = rich.report["cos_all_int4"]
+  c4 = rich.report["cos_all_base"]
   target = (min(c4.values()) + max(c4.values())) / 2   # between the two layers
   met = calibrate(samples, max_bits=8.0, target_cos=target)
   assert met.report["bits_per_value"] < rich.report["bits_per_value"]
@@ -72,6 +72,24 @@ def test_policy_is_data(samples):
     pol.block_classes(1, 640)
   with pytest.raises(KeyError, match="no calibrated classes for key 7"):
     pol.block_classes(7)
+
+
+def test_other_classes_calibrate_the_same_way(samples):
+  """A k5v4 base with k5v5 upgrades: the policy's blocks are those classes, within the
+  budget, the hard layer lifted, and the pair survives JSON; a pair that is not an
+  upgrade is refused."""
+  pol = calibrate(samples, max_bits=5.4, base="k5v4", upgrade="k5v5")
+  assert set(pol.block_classes(1)) == {fmt.CLASS_ID["k5v4"], fmt.CLASS_ID["k5v5"]}
+  assert pol.report["bits_per_value"] <= 5.4 + 1e-6 and pol.ranges[1]
+  assert min(pol.report["cos_policy"].values()) > min(pol.report["cos_all_base"].values())
+  # 5-bit K on the base already beats int4 on the hard layer.
+  assert pol.report["cos_all_base"]["1"] > calibrate(samples, max_bits=8.0).report["cos_all_base"]["1"]
+  again = PrecisionPolicy.from_json(pol.to_json())
+  assert (again.base, again.upgrade) == ("k5v4", "k5v5") and again.block_classes(1) == pol.block_classes(1)
+  with pytest.raises(ValueError, match="must be a higher class than base 'k5v5'"):
+    calibrate(samples, base="k5v5", upgrade="k5v4")
+  with pytest.raises(ValueError, match="below the k5v4 class"):
+    calibrate(samples, max_bits=5.0, base="k5v4")
 
 
 def test_bad_input_names_the_fix(samples):

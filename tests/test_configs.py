@@ -47,8 +47,9 @@ _POLICY = PrecisionPolicy(256, {1: ((64, 128),), (3, 0.5): ((0, 64),)})
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(default="fp8"), r"unknown precision class 'fp8'; use a name in \('int4', 'int8', 'bf16'\) or its index"),
-    (dict(default=3), "unknown precision class 3"),
+    (dict(default="fp8"), r"unknown precision class 'fp8'; use a name in \('int4', 'int8', 'bf16', 'k5v4', 'k5v5'\) "
+                          r"or its index"),
+    (dict(default=5), "unknown precision class 5"),
     (dict(default=True), "unknown precision class True"),      # a bool is not a class id
     (dict(block_classes=(0, 5)), "unknown precision class 5"),
     (dict(block_classes=("int4", "int2")), "unknown precision class 'int2'"),

@@ -42,7 +42,7 @@ def test_pack_unpack_split_half_layout():
 
 @pytest.mark.parametrize("k_scheme", fmt.K_SCHEMES)
 @pytest.mark.parametrize("v_scheme", fmt.V_SCHEMES)
-@pytest.mark.parametrize("cls", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("cls", ["int4", "int8", "bf16", "k5v4", "k5v5"])
 def test_roundtrip_error_is_within_half_a_step(k_scheme, v_scheme, cls):
   rng = np.random.default_rng(1)
   k, v = _kv(rng)
@@ -54,15 +54,55 @@ def test_roundtrip_error_is_within_half_a_step(k_scheme, v_scheme, cls):
   kd, vd = fmt.dequantize_reference(packed)
   for x, xd, role in ((k, kd, "k"), (v, vd, "v")):
     err = np.abs(np.asarray(xd) - x)
-    if cls == "bf16":
+    width = fmt.CLASS_WIDTHS[cls]["kv".index(role)]
+    if width == 16:
       assert err.max() <= np.abs(x).max() * 2 ** -8
       continue
-    suffix = "4" if cls == "int4" else "8"
-    scale = np.asarray(packed.arrays[f"{role}_scale{suffix}"])
+    scale = np.asarray(packed.arrays[f"{role}_scale{width}"])
     # Each element is within half a step (plus f32 rounding) of its original value.
     assert err.max() <= 0.5 * scale.max() * (1 + 1e-5) + 1e-6
     rel = np.linalg.norm(np.asarray(xd) - x) / np.linalg.norm(x)
-    assert rel < (0.12 if cls == "int4" else 0.01), rel
+    assert rel < {4: 0.12, 5: 0.06, 8: 0.01}[width], rel
+
+
+def test_five_bit_store_layout():
+  """A 5-bit code is its nibble (split-half, the int4 layout) plus 16 x its bit in the
+  fifth-bit plane, channel c at bit c % 8 of byte c // 8; K and V of a k5v4 block land
+  in different stores (K's 5-bit, V's 4-bit beside the int4 blocks')."""
+  bits = np.random.default_rng(3).integers(0, 2, size=(3, 128))
+  plane = np.asarray(fmt.pack_bits(jnp.asarray(bits)))
+  np.testing.assert_array_equal(plane, np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little"))
+  np.testing.assert_array_equal(np.asarray(fmt.unpack_bits(jnp.asarray(plane))), bits)
+  classes = fmt.resolve_block_classes(300, [(0, 64, "k5v4"), (130, 200, "k5v5")])
+  assert classes == (3, 0, 4, 4, 0)
+  meta = fmt.PackedKVMeta(1, 2, 64, 300, classes)
+  assert meta.store_blocks("k", 5) == (0, 2, 3) and meta.store_blocks("v", 5) == (2, 3)
+  assert meta.store_blocks("v", 4) == (0, 1, 4) and meta.widths("v") == (4, 5)
+  np.testing.assert_array_equal(meta.block_slots("k"), [0, 0, 1, 2, 1])
+  np.testing.assert_array_equal(meta.block_slots("v"), [0, 1, 0, 1, 2])
+  specs = fmt.buffer_specs(meta)
+  assert specs["k_codes5"] == ((1, 2, 192, 32), "uint8") and specs["k_bits5"] == ((1, 2, 192, 8), "uint8")
+  assert specs["v_codes4"][0] == (1, 2, 192, 32) and specs["v_bits5"][0] == (1, 2, 128, 8)
+  rng = np.random.default_rng(5)
+  k, v = (rng.normal(size=(1, 300, 2, 64)).astype(np.float32) for _ in range(2))
+  packed = fmt.quantize_reference(jnp.asarray(k), jnp.asarray(v), meta)
+  codes = np.asarray(fmt.unpack_nibbles(packed.k_codes5)).astype(np.int32) | (
+      np.asarray(fmt.unpack_bits(packed.k_bits5)) << 4)
+  assert codes.max() == 31 and codes.min() == 0
+  scale, zero = (np.asarray(packed.arrays[n], np.float32) for n in ("k_scale5", "k_zero5"))
+  want = codes.reshape(1, 2, 3, 64, 64) * scale[:, :, :, None] + zero[:, :, :, None]
+  kd = np.asarray(fmt.dequantize_reference(packed)[0])
+  np.testing.assert_allclose(kd[0, :64].transpose(1, 0, 2), want[0, :, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_precision_order_and_bits():
+  """The higher class wins where policies meet (PRECISION_ORDER, not id order);
+  bits per value count every array."""
+  assert fmt.resolve_block_classes(128, [(0, 64, "k5v5"), (0, 10, "k5v4")], default="int4") == (4, 0)
+  assert fmt.resolve_block_classes(128, [(0, 64, "k5v5")], default="int8") == (1, 1)
+  assert fmt.resolve_block_classes(128, (), default="k5v4", layer=2, layer_classes={2: "int4"}) == (3, 3)
+  bits = {c: fmt.bits_per_value(fmt.PackedKVMeta(1, 1, 128, 64, (fmt.CLASS_ID[c],))) for c in fmt.CLASSES}
+  assert bits == {"int4": 4.625, "k5v4": 5.125, "k5v5": 5.625, "int8": 8.625, "bf16": 16.25}
 
 
 def test_constant_group_is_exact():
@@ -120,8 +160,12 @@ def test_meta_validation_and_json_roundtrip():
   meta = fmt.PackedKVMeta(1, 2, 128, 100, (0, 1))
   again = fmt.PackedKVMeta.from_dict(json.loads(json.dumps(meta.to_dict())))
   assert again == meta and hash(again) == hash(meta)
-  with pytest.raises(ValueError, match="version 1 is not readable by version 2"):
+  with pytest.raises(ValueError, match="version 1 is not readable by version 3"):
     dataclasses.replace(meta, version=1)
+  # A version-2 record (classes 0-2) stays readable; it cannot name a newer class.
+  assert fmt.PackedKVMeta.from_dict(meta.to_dict() | {"version": 2}).version == 2
+  with pytest.raises(ValueError, match="2 \\(bf16\\)$"):
+    fmt.PackedKVMeta(1, 2, 128, 100, (0, 3), version=2)
   with pytest.raises(ValueError, match="head_dim=96"):
     fmt.PackedKVMeta(1, 2, 96, 100, (0, 1))
   with pytest.raises(ValueError, match="need 2"):

@@ -82,3 +82,24 @@ def test_bits_are_the_issue_table():
   assert kvp.fewest_bits_within(summary, rows, 0.1) == (4.625, "v2 int4")
   assert kvp.fewest_bits_within(summary, rows, 0.01) == (8.625, "v2 int8")
   assert kvp.fewest_bits_within(summary, rows, 0.001) is None
+
+
+def test_calibrated_storages_pick_classes_per_layer(tiny, monkeypatch):
+  """``--calibrated``: each layer's class from formats.calibrate on the calibration
+  tokens, bits the mean of the layers' classes, the round trip at each layer's class
+  (a layer at int8 moves its K/V less than at its base)."""
+  model, ids = tiny
+  # Two policies for a two-layer model: room for exactly one upgraded layer, and none.
+  monkeypatch.setattr(kvp, "CALIBRATED", (("one", "k5v4", "int8", (5.125 + 8.625) / 2 + 1e-6),
+                                          ("none", "int4", "k5v5", 4.625)))
+  rows = kvp.calibrated_storages(model, ids, tokens=TOKENS)
+  one, none = rows["one"], rows["none"]
+  assert one.bits == (5.125 + 8.625) / 2 and none.bits == 4.625 and one.per_layer
+  upgraded = [int(x) for x in one.source.split("int8 in layers [")[1].rstrip("]").split(",") if x.strip()]
+  assert len(upgraded) == 1 and "k5v5 in layers []" in none.source
+  seen = {}
+  store = kvp.kv_store_for(one, TOKENS, model)
+  model.logits(ids, lambda layer, k, v: seen.setdefault(layer, (k, v, *store(layer, k, v))) and store(layer, k, v))
+  err = {layer: float(np.abs(kd - k).max() / np.abs(k).max()) for layer, (k, v, kd, vd) in seen.items()}
+  up, base = upgraded[0], 1 - upgraded[0]
+  assert err[up] < 0.2 * err[base], err   # 8-bit steps are 8x finer than 5-bit ones

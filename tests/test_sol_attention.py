@@ -143,6 +143,18 @@ STREAMED = ("streamed", "streamed_int8")
 
 
 @pytest.mark.parametrize("method", STREAMED)
+def test_streamed_methods_read_the_five_bit_classes(method):
+  """k5v4 / k5v5 blocks among int4, int8 and bf16 ones: the streamed methods (the one
+  decoder) match the reference; the fused kernel refuses them, naming the fix."""
+  classes = (4, 3, 1, 0, 3, 4, 2, 3, 0, 4, 3)
+  q, packed, _, _ = _data(700, 128, classes, "channel", "token")
+  kw = {"tau": 0.5, "sink_blocks": [0, 2]}
+  _check(_attend(q, packed, kw, method=method), _reference(q, packed, kw), cos=0.9995)
+  with pytest.raises(NotImplementedError, match=r"Sol method='fused' reads classes .* not \['k5v4', 'k5v5'\]"):
+    _attend(q, packed, kw)
+
+
+@pytest.mark.parametrize("method", STREAMED)
 @pytest.mark.parametrize("name", ["mixed_d128_g64_tau05", "key_bias_d64", "no_tail_sink_q", "block_len"])
 def test_streamed_methods_match_fused_and_reference(name, method):
   """method='streamed*': head groups decoded to stores first, then the kernel over them

@@ -43,6 +43,8 @@ _decode = jax.jit(dequantize_group, static_argnames=("heads", "unrotate_v", "int
     (128, "channel", "token", 300, ((0, 64, "int8"), (100, 130, "bf16"))),   # every class, ragged T
     (64, "token", "token_g64", 200, ((64, 150, "int8"),)),
     (128, "channel", "token", 256, ()),                                     # int4 only, whole blocks
+    (128, "channel", "token", 300, ((0, 64, "k5v5"), (64, 190, "k5v4"), (250, 260, "int8"))),  # 5-bit stores
+    (64, "token", "token_g64", 200, ((0, 10, "bf16"), (64, 150, "k5v5"))),
 ])
 @pytest.mark.parametrize("unrotate_v", [True, False])
 def test_decode_matches_reference(seed, head_dim, k_scheme, v_scheme, t, ranges, unrotate_v):
@@ -66,7 +68,7 @@ def test_decode_matches_reference(seed, head_dim, k_scheme, v_scheme, t, ranges,
 
 
 def test_decode_lowers_to_triton():
-  packed = _packed(0, t=300, ranges=((0, 64, "int8"), (100, 130, "bf16")))
+  packed = _packed(0, t=300, ranges=((0, 64, "int8"), (100, 130, "bf16"), (150, 200, "k5v4"), (200, 260, "k5v5")))
   for unrotate in (True, False):
     text = jax.jit(lambda p, h0: dequantize_group(p, h0, 2, unrotate_v=unrotate, interpret=False)).trace(
         packed, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
@@ -149,7 +151,8 @@ def test_gpu_compiled_program_stays_within_the_budget_at_h3_shapes(budget_mib):
 
 @pytest.mark.gpu
 def test_gpu_decode_matches_reference(seed):
-  packed = _packed(seed, t=1000, heads=4, ranges=((0, 100, "int8"), (300, 340, "bf16")))
+  packed = _packed(seed, t=1000, heads=4, ranges=((0, 100, "int8"), (300, 340, "bf16"), (400, 600, "k5v4"),
+                                                  (700, 800, "k5v5")))
   got = dequantize_group(packed, jnp.int32(1), 3, unrotate_v=True, interpret=False)
   want = dequantize_group_reference(packed, 1, 3, unrotate_v=True)
   for g, w in zip(got, want):

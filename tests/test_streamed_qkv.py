@@ -49,9 +49,14 @@ def make_inputs(b=2, t=200, hidden=256, heads=2, head_dim=128, rot_dim=96, bias=
 _dequantize = jax.jit(fmt.dequantize_reference)  # eager dispatch would dominate test time
 
 
-def _unpacked_codes(packed, role, cls):
-  codes = np.asarray(packed.arrays[f"{role}_codes{'4' if cls == 'int4' else '8'}"])
-  return np.asarray(fmt.unpack_nibbles(jnp.asarray(codes))) if cls == "int4" else codes
+def _unpacked_codes(packed, role, width):
+  codes = np.asarray(packed.arrays[f"{role}_codes{width}"])
+  if width == 8:
+    return codes
+  codes = np.asarray(fmt.unpack_nibbles(jnp.asarray(codes))).astype(np.int32)
+  if width == 5:
+    codes = codes | (np.asarray(fmt.unpack_bits(packed.arrays[f"{role}_bits5"])) << 4)
+  return codes
 
 
 def check_against_reference(q, packed, x, weights, kw, storage=None, added=None):
@@ -69,22 +74,21 @@ def check_against_reference(q, packed, x, weights, kw, storage=None, added=None)
 
   meta = packed.meta
   for role in "kv":
-    for cls in ("int4", "int8"):
-      if not meta.slots(cls):
+    for sfx in (4, 5, 8):
+      if not meta.store_blocks(role, sfx):
         continue
-      sfx = "4" if cls == "int4" else "8"
-      ck, cr = _unpacked_codes(packed, role, cls), _unpacked_codes(ref, role, cls)
+      ck, cr = _unpacked_codes(packed, role, sfx), _unpacked_codes(ref, role, sfx)
       diff = np.abs(ck.astype(np.int32) - cr.astype(np.int32))
       # Only rounding ties may flip, by one step, and rarely.
-      assert diff.max() <= 1, f"{role} {cls} codes differ by {diff.max()}"
-      assert diff.mean() < 2e-3, f"{role} {cls} codes differ in {diff.mean():.2%}"
+      assert diff.max() <= 1, f"{role} {sfx}-bit codes differ by {diff.max()}"
+      assert diff.mean() < 2e-3, f"{role} {sfx}-bit codes differ in {diff.mean():.2%}"
       for part in ("scale", "zero"):
         a = np.asarray(packed.arrays[f"{role}_{part}{sfx}"])
         r = np.asarray(ref.arrays[f"{role}_{part}{sfx}"])
         # float16 storage (format v2): a value at a rounding tie may land one ulp away.
         np.testing.assert_allclose(a.astype(np.float32), r.astype(np.float32), rtol=2 ** -10,
                                    atol=1e-5 * np.abs(r.astype(np.float32)).max(), err_msg=f"{role}_{part}{sfx}")
-    if meta.slots("bf16"):
+    if meta.store_blocks(role, 16):
       a = np.asarray(packed.arrays[f"{role}_bf16"], np.float32)
       r = np.asarray(ref.arrays[f"{role}_bf16"], np.float32)
       np.testing.assert_allclose(a, r, rtol=2 ** -7, atol=1e-5, err_msg=f"{role}_bf16")
@@ -279,7 +283,7 @@ def test_chunks_of_one_block_and_poisoned_buffers():
   assert meta.block_classes == storage.classes_for(t)
   poison = {"q": jnp.full(q.shape, jnp.nan, jnp.bfloat16)}
   for name, (shape, dtype) in fmt.buffer_specs(meta).items():
-    if shape[2]:
+    if np.prod(shape):   # the stores that have blocks
       poison[name] = jnp.full(shape, 255 if dtype == "uint8" else jnp.nan, dtype)
   consts = epilogue_constants(kw["layout"], 0, 1, wt.q_norm_weight, wt.k_norm_weight)
   q2, packed2 = jax.jit(lambda x, w, b, cos, sin, init: sq._chunked(
@@ -315,6 +319,25 @@ def test_mixed_policy_and_padded_tail():
       store = np.asarray(p.arrays[f"{role}_bf16"], np.float32)
       tail = store[:, :, last * 64 + 8:(last + 1) * 64]
       assert tail.size and not tail.any()
+
+
+@pytest.mark.parametrize("head_dim,k_scheme,v_scheme,classes", [
+    (128, "channel", "token", (3, 0, 4, 3)),
+    (64, "token", "token_g64", (4, 1, 3, 2)),
+])
+def test_split_classes_match_reference(head_dim, k_scheme, v_scheme, classes):
+  """k5v4 / k5v5 blocks (5-bit stores, K and V at their own widths) beside the other
+  classes: the chunked epilogue writes what the reference writes (T = 200, a ragged
+  last block), and method='auto' routes them to it."""
+  x, wt, kw = make_inputs(head_dim=head_dim, rot_dim=head_dim // 2, seed=head_dim + 5)
+  storage = KVStorage(block_classes=classes, k_scheme=k_scheme, v_scheme=v_scheme)
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=True,
+                           scratch_bytes=rows_scratch(128, x, 2, head_dim))
+  assert packed.k_bits5.shape == (2, 2, 64 * sum(c in (3, 4) for c in classes), head_dim // 8)
+  assert packed.v_bits5.shape[2] == 64 * classes.count(4)
+  check_against_reference(q, packed, x, wt, kw, storage)
+  with pytest.raises(NotImplementedError, match="chunked method only"):
+    streamed_qkv(x, wt, **kw, storage=storage, interpret=True, method="fused")
 
 
 def test_padded_tokens_token_scheme():
@@ -495,7 +518,7 @@ def test_chunked_epilogue_lowers_to_triton_ir(head_dim, rot_dim, k_scheme, v_sch
   block): one loop over every chunk of both batch rows, every class in one kernel,
   and the kernel that creates the uninitialized buffers."""
   x, wt, kw = _abstract(2, 200, 256, 2, head_dim, rot_dim, bias)
-  storage = KVStorage(block_classes=(0, 1, 2, 0), k_scheme=k_scheme, v_scheme=v_scheme)
+  storage = KVStorage(block_classes=(0, 1, 2, 3) if bias else (4, 1, 2, 3), k_scheme=k_scheme, v_scheme=v_scheme)
   text = _trace(x, wt, kw, storage=storage, interpret=False, method="chunked",
                 scratch_bytes=chunk_scratch_bytes(128, 256, 6 * head_dim)).lower(
                     lowering_platforms=("cuda",)).as_text()
@@ -694,6 +717,18 @@ def test_gpu_joint_projection_matches_reference():
   check_against_reference(q, packed, x[:, :t_own], wt, kw, storage, added=added)
 
 
+@pytest.mark.gpu
+def test_gpu_split_classes_match_reference():
+  """The 5-bit stores (k5v4, k5v5) written by the compiled epilogue, every other class
+  beside them, several chunks and a ragged tail."""
+  x, wt, kw = make_inputs(b=1, t=3000, hidden=256, heads=4, head_dim=128, rot_dim=96, seed=53)
+  storage = KVStorage(default="k5v4", token_ranges=((0, 700, "k5v5"), (1000, 1100, "int4"), (2000, 2100, "int8"),
+                                                    (2900, 3000, "bf16")))
+  q, packed = streamed_qkv(x, wt, **kw, storage=storage, interpret=False, method="chunked",
+                           scratch_bytes=chunk_scratch_bytes(640, 256, 3 * 4 * 128))
+  check_against_reference(q, packed, x, wt, kw, storage)
+
+
 def test_bf16_gemm_output_rounds_only_the_projection():
   """gemm_dtype='bfloat16': the chunk is rounded to bf16 before the epilogue, as a BF16
   model's qkv_proj output is. Q stays within bf16 rounding of the f32 reference, codes
@@ -708,8 +743,8 @@ def test_bf16_gemm_output_rounds_only_the_projection():
   assert np.isfinite(qf).all()
   assert rel_err(qf, qr) < 1e-2 and cosine(qf, qr) > 0.9999
   for role in "kv":
-    diff = np.abs(_unpacked_codes(packed, role, "int4").astype(np.int32) -
-                  _unpacked_codes(ref, role, "int4").astype(np.int32))
+    diff = np.abs(_unpacked_codes(packed, role, 4).astype(np.int32) -
+                  _unpacked_codes(ref, role, 4).astype(np.int32))
     assert diff.max() <= 1 and diff.mean() < 0.05
   with pytest.raises(ValueError, match="gemm_dtype must be"):
     ProjectionTuning(gemm_dtype="float16")

@@ -32,7 +32,8 @@ from torch_bridge import allocator, dlpack, ops
 
 B, T, HIDDEN, H, D = 1, 150, 128, 2, 64
 ROT = 48  # 3/4 of the head dim, as H3's 96 of 128
-MIXED = (0, 1, 2)  # one block of each class: every buffer of the format is non-empty
+MIXED = (0, 1, 2)  # one block of int4, int8, bf16: every store the fused kernels read is non-empty
+SPLIT = (3, 4, 1)  # k5v4, k5v5, int8: the 5-bit stores (the streamed methods read them)
 ALL_BF16 = (2, 2, 2)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,6 +99,31 @@ def mixed(setup):
 # --------------------------------------------------------------------------------------
 # Parity: bridge == JAX kernels ~ JAX references ~ plain torch BF16
 # --------------------------------------------------------------------------------------
+def test_split_classes_through_the_bridge(setup):
+  """k5v4 / k5v5 blocks: the torch ops write and read what the JAX kernels do (every
+  5-bit store non-empty), dense attention takes the streamed method (the fused kernel
+  would refuse them), and the module serves them."""
+  s = setup
+  storage = KVStorage(block_classes=SPLIT)
+  q, packed = tb.streamed_qkv(s["x"], s["weights"], storage=storage, **s["kw"])
+  jq, jpacked = jqkv.streamed_qkv(dlpack.to_jax(s["x"], "x"), _jax_weights(s["weights"]), storage=storage,
+                                  **_jax_kwargs(s["kw"]))
+  for n in ("k_codes5", "k_bits5", "v_codes5", "v_bits5", "v_codes4", "k_codes8"):
+    assert packed.tensors[n].numel(), n
+  for name in formats.ARRAY_NAMES:
+    assert torch.equal(packed.tensors[name], torch.from_dlpack(jpacked.arrays[name])), name
+  o = tb.packed_attention(q, packed)
+  assert torch.equal(o, torch.from_dlpack(jattn.packed_attention(jq, jpacked)))
+  want = jattn.packed_attention_reference(jq, jpacked)
+  assert quality(o.float().numpy(), np.asarray(want, np.float32))["cos"] > 0.9999
+  with pytest.raises(NotImplementedError, match=r"reads classes \['int4', 'int8', 'bf16'\] only"):
+    tb.packed_attention(q, packed, attention=Dense(method="fused"))
+  ref = s["ref"](s["x"], s["cos"], s["sin"]).float().numpy()
+  cos = {c: quality(s["mod"](s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=c)).float().numpy(),
+                    ref)["cos"] for c in (SPLIT, (0, 0, 0))}
+  assert cos[SPLIT] > max(cos[(0, 0, 0)], 0.997), cos   # 5-bit codes land closer than all-int4
+
+
 def test_streamed_qkv_bridge_equals_jax_kernel(setup, mixed):
   assert torch.equal(mixed["q"], torch.from_dlpack(mixed["jq"]))
   for name in formats.ARRAY_NAMES:
@@ -454,14 +480,16 @@ def test_zero_copy_both_directions(setup, mixed, monkeypatch):
   s = setup
   q, packed = tb.streamed_qkv(s["x"], s["weights"], storage=KVStorage(block_classes=MIXED), **s["kw"])
   o = tb.packed_attention(q, packed)
-  assert {n for n, *_ in seen_in} >= {"x", "w_qkv", "q", *(f"packed.{n}" for n in formats.ARRAY_NAMES)}
+  assert {n for n, *_ in seen_in} >= {"x", "w_qkv", "q", *(f"packed.{n}" for n in formats.ARRAY_NAMES
+                                                            if packed.tensors[n].numel())}
   assert all(tp == jp for _, tp, jp in seen_in), seen_in
   outs = [q, *packed.as_tuple(), o]
   assert len(seen_out) == len(outs)
   for (name, jp, t), got in zip(seen_out, outs):
-    assert got is t and got.data_ptr() == jp, name
+    assert got is t and (got.data_ptr() == jp or not got.numel()), name   # an empty tensor has no address
   # The attention read the projection's own buffers: no copy in between.
-  assert {p for n, p, _ in seen_in if n.startswith("packed.")} == {t.data_ptr() for t in packed.as_tuple()}
+  assert {p for n, p, _ in seen_in if n.startswith("packed.")} == {t.data_ptr() for t in packed.as_tuple()
+                                                                   if t.numel()}
 
 
 def _calls_that_return_jax_memory(s, mixed):
@@ -678,7 +706,7 @@ def test_bad_attention_inputs(mixed):
   call = lambda *a, **k: torch.ops.packed_kv.packed_attention(*a, **({"attention": Dense().to_json(),
       "q_segment_ids": None, "kv_segment_ids": None, "kv_mask": None, "kv_lengths": None,
       "keep_rotated": False, "interpret": None} | k))
-  with pytest.raises(tb.BridgeError, match=r"packed must hold 16 tensors"):
+  with pytest.raises(tb.BridgeError, match=rf"packed must hold {len(formats.ARRAY_NAMES)} tensors"):
     call(q, args[0][:-1], *args[1:])
   bad = list(args[0])
   bad[0] = bad[0].to(torch.int8)

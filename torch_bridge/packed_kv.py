@@ -1,4 +1,4 @@
-"""Torch mirror of the packed K/V format (formats/FORMAT.md, version 2).
+"""Torch mirror of the packed K/V format (formats/FORMAT.md, version 3).
 
 Why a mirror and not a conversion: the torch side must see the very buffers the
 projection kernel wrote, with no copy and no BF16 expansion. ``TorchPackedKV`` holds
