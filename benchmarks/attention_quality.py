@@ -9,6 +9,7 @@ Remedies that format v1 could not store (finer groups, softmax-exact smoothing,
 symmetric vs asymmetric) are simulated with fake quantization (v1's float32 parameters).
 
   python -m benchmarks.attention_quality [--tokens 4096 --heads 4 --seeds 0]
+  python -m benchmarks.attention_quality --int8-qk --seeds 0 1 2   # Dense(qk="int8") vs bf16 Q.K
 
 Writes benchmarks/results/attention_quality.json and prints a table.
 """
@@ -108,6 +109,35 @@ def _mean(qs):
   return {k: float(np.mean([q[k] for q in qs])) for k in qs[0]}
 
 
+def int8_qk_rows(tokens: int, heads: int, head_dim: int, seeds) -> list:
+  """``Dense(qk="int8")`` against bf16 Q.K, each against float32 attention on the same
+  unquantized q, k, v, with K/V stored bf16 (so the rows show the dot's own error):
+  DiT-like data at ``tokens`` per seed, and the committed real sample's two layers
+  (SmolLM2-135M, T = 1,024, K/V heads repeated to the query heads). The whole
+  sequence runs through the kernel (interpret mode), as a self-attention layer does."""
+  from benchmarks.kv_quality import real_layers
+  data = []
+  for seed in seeds:
+    q, k, v, _, _ = dit_qkv(tokens, heads, head_dim, prefix_tokens=tokens // 10, seed=seed)
+    data.append((f"dit_like seed {seed}", np.asarray(q), np.asarray(k), np.asarray(v)))
+  layers, _, _ = real_layers(0, (), True)
+  for name, (q, k, v) in layers.items():
+    rep = q.shape[1] // k.shape[1]
+    data.append((f"real {name}", q[None], np.repeat(k, rep, 1)[None], np.repeat(v, rep, 1)[None]))
+  rows = []
+  for name, q, k, v in data:
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    b, t, h, d = q.shape
+    meta = fmt.PackedKVMeta(b, h, d, t, (fmt.CLASS_ID["bf16"],) * (-(-t // fmt.BLOCK)))
+    r_k, r_v = fmt.hadamard_rotation(d, 0), fmt.hadamard_rotation(d, 1)
+    packed = fmt.quantize_reference(jnp.asarray(k @ r_k), jnp.asarray(v @ r_v), meta)
+    ref = _chunked(lambda qc: attention_f32(qc, k, v, sm_scale=d ** -0.5), q)
+    for qk in ("bf16", "int8"):
+      out = packed_attention(jnp.asarray(q @ r_k, jnp.bfloat16), packed, Dense(qk=qk, method="streamed"))
+      rows.append({"data": name, "tokens": t, "heads": h, "qk": qk, **quality(np.asarray(out, np.float32), ref)})
+  return rows
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tokens", type=int, default=4096)
@@ -116,8 +146,20 @@ def main(argv=None):
   ap.add_argument("--prefix-frac", type=float, default=0.1)
   ap.add_argument("--seeds", type=int, nargs="+", default=[0])
   ap.add_argument("--kernel-rows", type=int, default=128, help="query rows run through the interpret-mode kernel")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention_quality.json"))
+  ap.add_argument("--int8-qk", action="store_true",
+                  help="only Dense(qk='int8') against bf16 Q.K on bf16 K/V (DiT-like and the real sample)")
+  ap.add_argument("--out", default=None, help="default results/attention_quality.json "
+                                              "(--int8-qk: results/attention_quality_int8qk_<date>.json)")
   args = ap.parse_args(argv)
+  if args.int8_qk:
+    from benchmarks import common
+    rows = int8_qk_rows(args.tokens, args.heads, args.head_dim, args.seeds)
+    print(common.table(rows, [("data", "data", "{}"), ("T", "tokens", "{}"), ("Q.K", "qk", "{}"),
+                              ("cos", "cos", "{:.6f}"), ("rel L2", "rel_l2", "{:.2e}")]))
+    out = args.out or os.path.join(common.RESULTS, f"attention_quality_int8qk_{time.strftime('%Y-%m-%d')}.json")
+    common.write_json(out, common.run_record() | {"rows": rows})
+    return rows
+  args.out = args.out or os.path.join(os.path.dirname(__file__), "results", "attention_quality.json")
   t, h, d = args.tokens, args.heads, args.head_dim
   # Not block-aligned (text lengths are arbitrary): with a mixed policy the
   # boundary block takes the prefix's class.

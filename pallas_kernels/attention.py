@@ -45,7 +45,8 @@ from formats.reference import attention_lse_f32
 from pallas_kernels.attention_config import DENSE_METHODS as METHODS
 from pallas_kernels.attention_config import Dense
 from pallas_kernels.attention_fused import fused_attention
-from pallas_kernels.backend import classes_outside_fused, on_gpu, over_chunks, resolve_interpret, resolve_sm_scale
+from pallas_kernels.backend import LOG2E, classes_outside_fused, on_gpu, over_chunks, resolve_interpret, resolve_sm_scale
+from pallas_kernels import sol, sol_decoded
 from pallas_kernels.kv_dequant import dequantize_group
 
 __all__ = ["Dense", "METHODS", "StreamedPlan", "packed_attention", "packed_attention_lse",
@@ -266,6 +267,77 @@ _streamed_jit = jax.jit(_streamed, static_argnames=_STREAMED_STATIC)
 # q donated: at top level its buffer becomes the output instead of being copied.
 _streamed_jit_donate_q = jax.jit(_streamed, static_argnames=_STREAMED_STATIC, donate_argnums=(0,))
 
+def key_center(packed) -> jax.Array:
+  """(B, H, D) f32: the mean of the rotated K over the live tokens, from the block
+  means the format stores. Subtracting it from every key shifts each logit of a row by
+  one constant (softmax unchanged) and takes K's shared offset out of the int8 range."""
+  meta = packed.meta
+  live = jnp.minimum(meta.num_tokens - jnp.arange(meta.num_blocks) * BLOCK, BLOCK).astype(jnp.float32)
+  return jnp.einsum("bhnd,n->bhd", packed.k_mean.astype(jnp.float32), live / meta.num_tokens)
+
+
+def _streamed_int8(q, packed, *, sm_scale, keep_rotated, overwrite_q, group, interpret, num_warps, num_stages):
+  """``Dense(qk="int8")``: per head group, the one decoder writes K - its mean as int8
+  per token and V in bf16 (``store="int8_k"``), and Sol's loop over decoded stores
+  runs with every query block walking every key block (``sink_q`` over all of them,
+  no pooled tail): int8 Q.K, bf16 P.V, one online softmax."""
+  b, t, h, d = q.shape
+  nb = packed.meta.num_blocks
+  cfg = sol_decoded.LoopConfig(head_dim=d, num_tokens=t, num_blocks=nb, qk_scale=sm_scale * LOG2E,
+                               sink_blocks=(0, 0), sink_q=(0, nb), tail=False, qk="int8", has_key_bias=False,
+                               has_block_len=False)
+  center = key_center(packed)
+  out = q if overwrite_q else jnp.zeros_like(q)
+  no_list = jnp.zeros((b, group, nb, 16), jnp.int16)   # every row walks every block: no routed lists
+  no_count = jnp.zeros((b, group, nb), jnp.int32)
+
+  def attend(h0, g, out):
+    k, k_scale, v = dequantize_group(packed, h0, g, unrotate_v=not keep_rotated, interpret=interpret,
+                                     layout="bhtd", store="int8_k", center=center)
+    # With overwrite_q these q heads are read here, before the same heads are overwritten.
+    qg = lax.dynamic_slice(out if overwrite_q else q, (0, 0, h0, 0), (b, t, g, d))
+    og = sol_decoded.sol_over_stores(qg, k, k_scale, v, None, lax.dynamic_slice_in_dim(center, h0, g, axis=1),
+                                     no_list[:, :g], no_count[:, :g], None, None, None, None, cfg,
+                                     interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return lax.dynamic_update_slice(out, og, (0, 0, h0, 0))
+
+  return over_chunks(h, group, attend, out)
+
+
+_INT8_STATIC = ("sm_scale", "keep_rotated", "overwrite_q", "group", "interpret", "num_warps", "num_stages")
+_streamed_int8_jit = jax.jit(_streamed_int8, static_argnames=_INT8_STATIC)
+_streamed_int8_jit_donate_q = jax.jit(_streamed_int8, static_argnames=_INT8_STATIC, donate_argnums=(0,))
+
+
+def int8_group(q_shape, scratch_bytes: int) -> int:
+  """Heads per group of ``Dense(qk="int8")`` within ``scratch_bytes`` (0: not one head):
+  each head's int8 K and scales, bf16 V, its q slice and output."""
+  b, t, h, d = q_shape
+  return sol.streamed_group(b, t, h, d, scratch_bytes, "int8")
+
+
+def _check_int8(q, packed, attention, masked, kv_lengths, return_lse, out):
+  """Raise naming the fix where ``Dense(qk="int8")`` cannot run; return its group."""
+  why = None
+  if q.shape[1] != packed.meta.num_tokens:
+    why = f"it is self-attention only (Tq = {q.shape[1]}, Tkv = {packed.meta.num_tokens})"
+  elif masked or kv_lengths is not None:
+    why = "it takes no segment ids, kv_mask or kv_lengths"
+  elif return_lse:
+    why = "it returns no log-sum-exp"
+  elif out is not None:
+    why = "it writes a fresh output or q's buffer (overwrite_q), not a given out"
+  if why:
+    raise NotImplementedError(f"Dense(qk='int8') cannot run here: {why}; use Dense(qk='bf16')")
+  group = int8_group(q.shape, attention.scratch_bytes)
+  if group < 1:
+    b, t, h, d = q.shape
+    raise ValueError(f"Dense(qk='int8', scratch_bytes={attention.scratch_bytes}) holds less than one head's "
+                     f"decoded stores, q slice and output ({sol.streamed_head_bytes(b, t, d, 'int8')} bytes at "
+                     f"T={t}); raise scratch_bytes")
+  return group
+
+
 _FUSED_STATIC = ("sm_scale", "keep_rotated", "interpret", "block_q", "num_warps", "num_stages", "overwrite_q",
                  "return_lse")
 
@@ -336,6 +408,12 @@ def _packed_attention(q, packed, attention, q_segment_ids, kv_segment_ids, kv_ma
     raise ValueError("interpret=False needs a CUDA GPU, and JAX has none here "
                      f"(default backend {jax.default_backend()!r}); pass interpret=None or True on a CPU")
   masked = q_seg is not None or kv_mask is not None
+  if attention.qk == "int8":
+    group = _check_int8(q, packed, attention, masked, kv_lengths, return_lse, out)
+    call = _streamed_int8_jit_donate_q if overwrite_q else _streamed_int8_jit
+    return call(q, packed, sm_scale=sm_scale, keep_rotated=bool(keep_rotated), overwrite_q=bool(overwrite_q),
+                group=group, interpret=interpret, num_warps=attention.num_warps or 4,
+                num_stages=attention.num_stages or 2)
   method = "fused" if return_lse else attention.method
   method, plan = resolve_method(method, q, packed, masked=masked, interpret=interpret,
                                 scratch_bytes=attention.scratch_bytes)

@@ -28,6 +28,7 @@ from formats.storage import json_fields
 DEFAULT_SCRATCH_BYTES = 512 << 20
 
 DENSE_METHODS = ("auto", "streamed", "fused")
+DENSE_QK = ("bf16", "int8")   # the precision of dense attention's Q.K dot
 SOL_METHODS = ("auto", "fused", "streamed", "streamed_int8")
 # Routed-list capacity under tau when the caller gives none: 1024 blocks = 64k exact keys
 # per query block. Fixed, so Sol's metadata grows with T, not T**2.
@@ -98,7 +99,13 @@ class Dense(_Config):
     else fused), ``"streamed"`` (head groups decoded into bf16 scratch, cuDNN on each)
     or ``"fused"`` (one Pallas kernel decoding tiles in registers, no scratch).
   scratch_bytes: the streamed method's bound on its scratch.
-  block_q, num_warps, num_stages: the fused kernel's launch (None: its defaults).
+  block_q, num_warps, num_stages: the fused kernel's launch (None: its defaults);
+    num_warps and num_stages also launch the ``qk="int8"`` loop (None: 4 and 2).
+  qk: ``"bf16"`` (default) or ``"int8"``: Q.K as one int8 dot per tile (Q per row,
+    K - its global mean per token, both absmax / 127), P.V in bf16, in Sol's loop over
+    decoded head groups with every key block exact (``sol_decoded``). Self-attention
+    (Tq = Tkv) without masks; ``scratch_bytes`` bounds the group's stores. Its speed
+    against cuDNN is not measured yet (``benchmarks/NOTES.md``): bf16 stays the default.
   """
   sm_scale: float | None = None
   method: str = "auto"
@@ -106,12 +113,18 @@ class Dense(_Config):
   block_q: int = 256
   num_warps: int | None = None
   num_stages: int | None = None
+  qk: str = "bf16"
   kind = "dense"
 
   def __post_init__(self):
     object.__setattr__(self, "sm_scale", _check_sm_scale(self.sm_scale))
     if self.method not in DENSE_METHODS:
       raise ValueError(f"Dense method must be one of {DENSE_METHODS}, got {self.method!r}")
+    if self.qk not in DENSE_QK:
+      raise ValueError(f"Dense qk must be one of {DENSE_QK}, got {self.qk!r}")
+    if self.qk == "int8" and self.method == "fused":
+      raise ValueError("Dense(qk='int8') runs over decoded head groups, not the fused kernel; use method='auto' "
+                       "or 'streamed'")
     object.__setattr__(self, "scratch_bytes", _check_scratch(self.scratch_bytes))
     if not isinstance(self.block_q, (int, np.integer)) or self.block_q < 16 or self.block_q & (self.block_q - 1):
       raise ValueError(f"block_q must be a power of two >= 16, got {self.block_q!r}")

@@ -78,7 +78,7 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
 
   * ``projection``: Q + packed K/V + one chunk of the chunked projection;
   * ``attention``: Q + packed K/V + the streamed path's head-group scratch (dense, a
-    cuDNN GPU), or Sol's routing metadata and workspace and (streamed methods) one
+    cuDNN GPU; with ``qk="int8"`` one group's int8 K, bf16 V, q slice and output), or Sol's routing metadata and workspace and (streamed methods) one
     head group's decoded stores;
   * ``o_proj``: the attention output (in Q's buffer) + ``o_proj``'s output
     (B, T, hidden) bf16, allocated by torch once the packed K/V is freed.
@@ -102,7 +102,10 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
   width = layout.width
   rows = sq.chunk_rows(tokens, hidden, width, attention.scratch_bytes, added_hidden)
   projection = sq.chunk_scratch_bytes(rows, hidden, width, added_hidden) if rows >= fmt.BLOCK else 0
-  if isinstance(attention, Dense):
+  if isinstance(attention, Dense) and attention.qk == "int8":
+    group = dense.int8_group((batch, tokens, heads, head_dim), attention.scratch_bytes)
+    attn = group * sol.streamed_head_bytes(batch, tokens, head_dim, "int8")
+  elif isinstance(attention, Dense):
     plan = dense.streamed_plan(batch, tokens, tokens, heads, head_dim, attention.scratch_bytes)
     attn = 0 if plan is None else plan.scratch
   else:

@@ -49,3 +49,36 @@ def test_profile_sol_splits_the_streamed_methods(tmp_path):
     assert r["decode_s"] > 0 and r["loop_s"] > 0 and 0 < r["exact_fraction"] <= 1 and r["store_bytes"] > 0
   # int8 K stores are about half the bf16 K store: K codes + a scale per row, V bf16 in both
   assert parts["streamed_int8"]["store_bytes"] < 0.8 * parts["streamed"]["store_bytes"]
+
+
+def test_bench_attention_times_the_int8_qk_launches(tmp_path):
+  """bench_attention's CPU smoke: every row runs, the int8 Q.K launches among them, at
+  the quality the tests hold the path to; with --default-class k5v4 the fused row
+  reports the kernel's refusal and the streamed ones run."""
+  out = tmp_path / "attention.json"
+  base = [sys.executable, "-m", "benchmarks.bench_attention", "--cpu-smoke", "--tokens", "256", "--heads", "2",
+          "--prefixes", "0"]
+  proc = subprocess.run(base + ["--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+  int8 = [r for name, r in rows.items() if name.startswith("int8_qk")]
+  assert len(int8) == 4 and all(r["ok"] for r in rows.values())
+  assert all(r["cos"] > rows["fused"]["cos"] - 1e-4 for r in int8)
+  proc = subprocess.run(base + ["--default-class", "k5v4", "--out", str(out)], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+  assert not rows["fused"]["ok"] and "k5v4" in rows["fused"]["error"]
+  assert rows["streamed_512mib"]["ok"] and rows["int8_qk_w4s2"]["ok"]
+
+
+def test_attention_quality_int8_qk_rows():
+  """The int8 Q.K quality rows (DiT-like and the committed real sample) stay within the
+  issue's bar of 0.9995 and below bf16 Q.K's."""
+  sys.path.insert(0, ROOT)
+  from benchmarks.attention_quality import int8_qk_rows
+  rows = int8_qk_rows(256, 2, 128, [0])
+  by = {(r["data"], r["qk"]): r for r in rows}
+  assert len(by) == 6
+  for data in ("dit_like seed 0", "real L7", "real L22"):
+    assert 0.9995 < by[(data, "int8")]["cos"] < by[(data, "bf16")]["cos"], data

@@ -221,6 +221,23 @@ def test_module_sol_streamed_method(setup):
   assert need["streamed"] > need["fused"]
 
 
+def test_int8_qk_through_the_op_and_the_module(setup, mixed):
+  """Dense(qk="int8") crosses the op boundary as JSON: the torch op gives what the JAX
+  call gives, the module serves it, and required_bytes counts its head group."""
+  s = setup
+  dense8 = Dense(qk="int8")
+  o = tb.packed_attention(mixed["q"], mixed["packed"], dense8)
+  assert torch.equal(o, torch.from_dlpack(jattn.packed_attention(mixed["jq"], mixed["jpacked"], dense8)))
+  assert quality(o.float().numpy(), mixed["o"].float().numpy())["cos"] > 0.9999
+  block = tb.PackedH3Attention(HIDDEN, H, D, attention=dense8)
+  block.load_state_dict(s["mod"].state_dict())
+  with torch.no_grad():
+    got = block(s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=MIXED)).float().numpy()
+    want = s["mod"](s["x"], s["cos"], s["sin"], storage=KVStorage(block_classes=MIXED)).float().numpy()
+  assert quality(got, want)["cos"] > 0.9999
+  assert block.required_bytes(T)["attention_scratch"] > 0
+
+
 def test_module_x_without_batch_or_of_the_wrong_width_names_x(setup):
   """x must be (B, T, hidden): a missing batch dim or another width fails before any
   kernel, with an error that names x and the fix."""
