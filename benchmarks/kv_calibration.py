@@ -106,15 +106,15 @@ def main(argv=None):
                   base=args.base, upgrade=args.upgrade)
   keys = list(calib)
   t = pol.num_tokens
-  all4 = PrecisionPolicy(t, {k: () for k in keys}, base=args.base, upgrade=args.upgrade)
-  all8 = PrecisionPolicy(t, {k: ((0, t),) for k in keys}, base=args.base, upgrade=args.upgrade)
+  all_base = PrecisionPolicy(t, {k: () for k in keys}, base=args.base, upgrade=args.upgrade)
+  all_upgrade = PrecisionPolicy(t, {k: ((0, t),) for k in keys}, base=args.base, upgrade=args.upgrade)
   uni = uniform_policy(pol, keys, args.max_bits)
   refs = {where: {key: attention_f32(*qkv) for key, qkv in layers.items()}
           for where, layers in (("calibration tokens", calib), ("held-out tokens", held))}
   rows = []
-  for name, p in ((f"all {args.base}" + (" (default)" if args.base == "int4" else ""), all4),
+  for name, p in ((f"all {args.base}" + (" (default)" if args.base == "int4" else ""), all_base),
                   (f"calibrated (max_bits {args.max_bits})", pol), ("uniform, same bits", uni),
-                  (f"all {args.upgrade}", all8)):
+                  (f"all {args.upgrade}", all_upgrade)):
     for where, layers in (("calibration tokens", calib), ("held-out tokens", held)):
       rows.append({"policy": name, "data": where, **evaluate(p, layers, refs[where])})
   print(common.table(rows, [("policy", "policy", "{}"), ("data", "data", "{}"), ("bits", "bits_per_value", "{:.3f}"),

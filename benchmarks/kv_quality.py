@@ -386,7 +386,8 @@ def main(argv=None):
         keep = {f"{r}{n[1:]}": a[:1024].astype(np.float16) for n, qkv in layers.items() if n in ("L7", "L22")
                 for r, a in zip("qkv", qkv)}
         np.savez_compressed(SAMPLE, **keep)
-      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows, ropes) + ([] if args.rows else per_head_rows(layers))}
+      per_head = [] if args.rows else per_head_rows(layers)
+      results[f"real_{t}"] = {"info": info, "rows": evaluate(layers, rows, ropes) + per_head}
     t = args.synthetic_tokens
     print(f"DiT-like synthetic, T = {t}", flush=True)
     layers, ropes = synthetic_layers(t, [int(s) for s in args.seeds.split(",")])

@@ -44,9 +44,10 @@ from formats import packed_kv as fmt
 from formats.reference import attention_lse_f32
 from pallas_kernels.attention_config import DENSE_METHODS as METHODS
 from pallas_kernels.attention_config import Dense
-from pallas_kernels.attention_fused import fused_attention
-from pallas_kernels.backend import LOG2E, classes_outside_fused, on_gpu, over_chunks, resolve_interpret, resolve_sm_scale
 from pallas_kernels import sol, sol_decoded
+from pallas_kernels.attention_fused import fused_attention
+from pallas_kernels.backend import (LOG2E, classes_outside_fused, on_gpu, over_chunks, resolve_interpret,
+                                    resolve_sm_scale)
 from pallas_kernels.kv_dequant import dequantize_group
 
 __all__ = ["Dense", "METHODS", "StreamedPlan", "packed_attention", "packed_attention_lse",
@@ -266,6 +267,7 @@ _STREAMED_STATIC = ("sm_scale", "keep_rotated", "overwrite_q", "plan", "interpre
 _streamed_jit = jax.jit(_streamed, static_argnames=_STREAMED_STATIC)
 # q donated: at top level its buffer becomes the output instead of being copied.
 _streamed_jit_donate_q = jax.jit(_streamed, static_argnames=_STREAMED_STATIC, donate_argnums=(0,))
+
 
 def key_center(packed) -> jax.Array:
   """(B, H, D) f32: the mean of the rotated K over the live tokens, from the block

@@ -64,8 +64,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
-from pallas_kernels.backend import (INT4_OFFSET, refuse_outside_fused, LN2, LOG2E, M_INIT, NamedInputs, dot, int4_halves, int8_to_bf16,
-                                    unrotate_halves)
+from pallas_kernels.backend import (INT4_OFFSET, LN2, LOG2E, M_INIT, NamedInputs, dot, int4_halves, int8_to_bf16,
+                                    refuse_outside_fused, unrotate_halves)
 
 BLOCK = fmt.BLOCK
 _CODE_MID = {"int4": 8.0, "int8": 128.0}  # V codes enter the dots as code - mid (see pv)
@@ -289,7 +289,7 @@ def fused_attention(q, packed, *, sm_scale, q_seg, kv_seg, kv_mask, keep_rotated
   f32 log-sum-exp of each row's scaled logits (for merging partial attentions).
   """
   meta = packed.meta
-  refuse_outside_fused(meta, "dense attention method='fused'",
+  refuse_outside_fused(meta.block_classes, "dense attention method='fused'",
                        "method='streamed' reads every class (segment ids and kv_mask need the fused method: "
                        "store those blocks as int4, int8 or bf16)")
   b, tq, h, d = q.shape

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from formats.packed_kv import CLASSES
+
 LOG2E = math.log2(math.e)  # softmax in base 2: sm_scale * log2(e) rides in the exp2 argument
 LN2 = math.log(2.0)        # base-2 log-sum-exp back to natural log
 M_INIT = -1e30             # running max start: finite, so exp2(m_prev - m_new) never sees inf - inf
@@ -23,16 +25,15 @@ FUSED_CLASSES = ("int4", "int8", "bf16")
 def classes_outside_fused(block_classes) -> list[str]:
   """The names of the classes among ``block_classes`` (ids) that the fused kernels do
   not read, sorted."""
-  from formats.packed_kv import CLASSES
   return sorted({CLASSES[c] for c in block_classes} - set(FUSED_CLASSES))
 
 
-def refuse_outside_fused(meta, kernel: str, fix: str) -> None:
-  """Raise NotImplementedError naming the classes of ``meta`` that ``kernel`` (a fused
-  kernel) does not read, and ``fix``."""
-  outside = classes_outside_fused(meta.block_classes)
+def refuse_outside_fused(block_classes, reader: str, fix: str) -> None:
+  """Raise NotImplementedError naming the classes among ``block_classes`` (ids) that
+  ``reader`` (a fused kernel, or a path built on one) does not read, and ``fix``."""
+  outside = classes_outside_fused(block_classes)
   if outside:
-    raise NotImplementedError(f"{kernel} reads classes {list(FUSED_CLASSES)} only, not {outside}; {fix}")
+    raise NotImplementedError(f"{reader} reads classes {list(FUSED_CLASSES)} only, not {outside}; {fix}")
 
 
 def on_gpu() -> bool:

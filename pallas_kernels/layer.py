@@ -78,8 +78,9 @@ def required_bytes(tokens: int, layout: QKVLayout, hidden: int, *, batch: int = 
 
   * ``projection``: Q + packed K/V + one chunk of the chunked projection;
   * ``attention``: Q + packed K/V + the streamed path's head-group scratch (dense, a
-    cuDNN GPU; with ``qk="int8"`` one group's int8 K, bf16 V, q slice and output), or Sol's routing metadata and workspace and (streamed methods) one
-    head group's decoded stores;
+    cuDNN GPU; with ``qk="int8"`` one group's int8 K, bf16 V, q slice and output), or
+    Sol's routing metadata and workspace and (streamed methods) one head group's
+    decoded stores;
   * ``o_proj``: the attention output (in Q's buffer) + ``o_proj``'s output
     (B, T, hidden) bf16, allocated by torch once the packed K/V is freed.
 

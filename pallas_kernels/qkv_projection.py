@@ -285,7 +285,7 @@ def resolve_method(method: str, num_tokens: int, hidden: int, layout: QKVLayout,
                    added_hidden: int | None = None, block_classes: tuple = ()) -> str:
   """``auto`` -> ``chunked`` when one 64-row chunk fits ``scratch_bytes``, else
   ``fused`` (where it runs the layout); an explicit method is checked. Added tokens
-  (``added_hidden``, their width) and classes beyond ``qkv_fused.FUSED_CLASSES``
+  (``added_hidden``, their width) and classes beyond ``backend.FUSED_CLASSES``
   (``block_classes``): chunked only."""
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -95,12 +95,9 @@ class UlyssesPlan:
 
 def _refuse_split_classes(block_classes) -> None:
   """The sharded stores (padded per class, all-to-all per array) and the ring's
-  log-sum-exp merge (the fused kernel) know the int4, int8 and bf16 classes only."""
-  outside = backend.classes_outside_fused(block_classes)
-  if outside:
-    raise NotImplementedError(f"sequence-parallel layers store classes {list(backend.FUSED_CLASSES)} only, not "
-                              f"{outside}; store those blocks as int4, int8 or bf16 (or run attention_layer on "
-                              "one device)")
+  log-sum-exp merge (the fused kernel) know the fused kernels' classes only."""
+  backend.refuse_outside_fused(block_classes, "sequence parallelism",
+                               "store those blocks as int4, int8 or bf16 (or run attention_layer on one device)")
 
 
 def ulysses_plan(num_tokens: int, devices: int, block_classes=None) -> UlyssesPlan:

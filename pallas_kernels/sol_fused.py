@@ -37,8 +37,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from formats import packed_kv as fmt
 from pallas_kernels.backend import dot as _dot
-from pallas_kernels.backend import (INT4_OFFSET, refuse_outside_fused, LOG2E, M_INIT, NamedInputs, int4_halves, int8_to_bf16, split_bf16,
-                                    unrotate_halves)
+from pallas_kernels.backend import (INT4_OFFSET, LOG2E, M_INIT, NamedInputs, int4_halves, int8_to_bf16,
+                                    refuse_outside_fused, split_bf16, unrotate_halves)
 from pallas_kernels.sol_routing import (BLOCK, SolPlan, SolRouting, block_lengths, normalize_key_bias, pooled_step,
                                         walk_exact_blocks)
 
@@ -221,7 +221,7 @@ def _block_table(meta) -> np.ndarray:
 def fused_sol(q, packed, routing: SolRouting, key_bias, block_len, plan: SolPlan, *, keep_rotated, interpret,
               num_warps, num_stages, overwrite_q=False):
   meta = packed.meta
-  refuse_outside_fused(meta, "Sol method='fused'",
+  refuse_outside_fused(meta.block_classes, "Sol method='fused'",
                        "use Sol(method='streamed') or 'streamed_int8' (raise scratch_bytes if auto fell back to fused)")
   b, t, h, d = q.shape
   nb = plan.num_blocks

@@ -139,7 +139,7 @@ def test_plan_and_wire_bytes():
   assert plan.shard_tokens == 128 and plan.local_tokens == (128, 128, 44, 0)
   assert plan.capacity == (2, 1, 0) and plan.block_classes == (1, 0, 0, 0, 0)
   assert len(plan.branches()) == 4
-  with pytest.raises(NotImplementedError, match=r"sequence-parallel layers store classes .* not \['k5v4'\]"):
+  with pytest.raises(NotImplementedError, match=r"sequence parallelism reads classes .* not \['k5v4'\]"):
     sp.ulysses_plan(300, 4, (0, 3, 0, 0, 0))
   # H3 at T = 152,263 on 8 devices, all int4: K/V at 4.625 bits a value (format v2:
   # codes, f16 scales and zeros, bf16 block stats) against 16, to within padding.
